@@ -1,0 +1,458 @@
+"""Typed training configuration: defaults < TOML file < command line.
+
+Section and key names follow torchtitan wherever a feature is shared, so a torchtitan
+TOML loads here unchanged for those keys. Every mistake (unknown key, wrong type, bad
+TOML, missing file) raises `ConfigError` with one message that names the key and the
+fix; `train.py` prints it once and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user can fix; the message says how."""
+
+
+@dataclass
+class Job:
+    config_file: str = ""  # TOML file to load before command-line overrides
+    dump_folder: str = "./outputs"  # root folder for logs, TensorBoard, checkpoints
+    description: str = "weft training run"  # free text, printed at start
+
+
+@dataclass
+class Model:
+    name: str = "llama3"  # model family (registered in models/__init__.py)
+    flavor: str = "debugmodel"  # size preset of the family
+    tokenizer_path: str = ""  # tiktoken BPE file; empty = bundled cl100k_base
+    vocab_size: int = 0  # 0 = tokenizer size padded for TP; larger value pads further
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"  # only AdamW is supported
+    lr: float = 8e-4  # peak learning rate
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay
+    implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for-loop
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200  # linear warmup steps
+    decay_ratio: Optional[float] = None  # fraction of steps spent decaying; unset = decay after warmup
+    decay_type: str = "linear"  # linear | cosine | constant
+    min_lr_factor: float = 0.0  # final lr as a fraction of the peak
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8  # sequences per micro-batch on each data-parallel rank
+    global_batch_size: int = -1  # sequences per step over all ranks; -1 = local_batch_size * dp
+    seq_len: int = 2048  # tokens per sequence
+    max_norm: float = 1.0  # gradient clipping norm (0 = off)
+    steps: int = 10000  # optimizer steps to train
+    dataset: str = "stdlib"  # stdlib (embedded default) | a local path | a hub dataset name
+    dataset_path: str = ""  # local folder or glob of .txt/.jsonl/.json/.parquet; overrides dataset
+    seed: int = 0  # seed for init, data order and dropout-free RNG use
+    deterministic: bool = False  # use deterministic algorithms (slower)
+    mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    mixed_precision_reduce: str = "float32"  # gradient reduce dtype
+    gc_freq: int = 50  # run Python GC every N steps (automatic GC is disabled)
+    device: str = "auto"  # auto | cuda | cpu
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1  # FSDP degree; -1 = world size / tensor_parallel_degree
+    tensor_parallel_degree: int = 1  # TP degree (innermost mesh dim)
+    enable_sequence_parallel: bool = True  # shard norms/residual on the sequence dim when tp > 1
+    enable_loss_parallel: bool = True  # vocab-sharded logits and cross-entropy when tp > 1
+    fsdp_reshard_after_forward: str = "default"  # default | always | never
+
+
+@dataclass
+class Compile:
+    enable: bool = False  # torch.compile the model (and loss)
+    strategy: str = "blocks"  # blocks (each transformer block) | model (whole model)
+    backend: str = "inductor"  # torch.compile backend
+    components: list = field(default_factory=lambda: ["model", "loss"])  # what to compile
+    recompile_limit: int = 8  # torch._dynamo.config.recompile_limit
+    warmup_steps: int = 2  # steps after which recompiles count against the budget
+    max_recompiles_after_warmup: Optional[int] = None  # stop the run past this many recompiles
+    fail_on_recompile: bool = False  # error on any recompile after warm-up
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "selective"  # none | full | selective
+    selective_ac_option: str = "op"  # op (op-level policy) or an integer N (every N-th block)
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False  # save and resume checkpoints
+    folder: str = "checkpoint"  # under dump_folder
+    interval: int = 500  # save every N steps
+    keep_latest_k: int = 10  # keep the newest k complete checkpoints (0 = all)
+    load_step: int = -1  # -1 = latest complete checkpoint
+    async_mode: str = "disabled"  # disabled | async
+    model_only_final: bool = False  # last checkpoint holds model weights only
+    export_dtype: str = "float32"  # dtype of the exported final model
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10  # log every N steps
+    enable_tensorboard: bool = True  # write TensorBoard events
+    save_tb_folder: str = "tb"  # under dump_folder
+    enable_jsonl: bool = True  # write metrics.jsonl under dump_folder
+
+
+@dataclass
+class Validation:
+    enable: bool = False  # run a held-out loss every freq steps
+    freq: int = 100  # validate every N steps
+    steps: int = 10  # batches per validation
+    dataset_path: str = ""  # held-out data; empty = a split of the training data
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False  # torch.profiler traces
+    profile_freq: int = 100  # trace one step every N steps
+    save_traces_folder: str = "profile_traces"  # under dump_folder
+    enable_memory_snapshot: bool = False  # CUDA memory snapshot
+    save_memory_snapshot_folder: str = "memory_snapshot"  # under dump_folder
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer.name": ("AdamW",),
+    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
+    "training.mixed_precision_param": ("auto", "float32", "bfloat16", "float16"),
+    "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "training.device": ("auto", "cuda", "cpu"),
+    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "compile.strategy": ("blocks", "model"),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+}
+
+
+def _key_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _unwrap_optional(tp)
+    name = "list" if base is list or typing.get_origin(base) is list else base.__name__
+    return f"{name} (optional)" if optional else name
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert a TOML value or command-line string to the declared type, or explain why not."""
+    base, optional = _unwrap_optional(tp)
+    if optional and (value is None or (from_cli and str(value).lower() in ("none", "null", ""))):
+        return None
+    bad = ConfigError(
+        f"config key '{key}' expects {_type_name(tp)}, got {value!r}. "
+        f"Fix it in the TOML file or pass e.g. --{key} {_example(base)}."
+    )
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        raise bad
+    if base is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if base is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if base is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    if base is list or typing.get_origin(base) is list:
+        if isinstance(value, list):
+            return [str(v) for v in value]
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        raise bad
+    raise bad
+
+
+def _example(base: Any) -> str:
+    return {bool: "true", int: "4", float: "0.5", str: "VALUE"}.get(base, "a,b")
+
+
+def _set(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = [f.name for f in dataclasses.fields(JobConfig)]
+    if section_name not in sections:
+        raise ConfigError(
+            f"unknown config section '{section_name}' (in '{dotted}')."
+            f"{_suggest(section_name, sections)} Run with --help to list every key."
+        )
+    section = getattr(cfg, section_name)
+    types_ = _key_types(type(section))
+    if key not in types_:
+        full = [f"{section_name}.{k}" for k in types_]
+        raise ConfigError(
+            f"unknown config key '{dotted}'.{_suggest(dotted, full)} Run with --help to list every key."
+        )
+    value = _coerce(dotted, raw, types_[key], from_cli)
+    allowed = CHOICES.get(dotted)
+    if allowed is not None and value not in allowed:
+        raise ConfigError(
+            f"config key '{dotted}' must be one of {', '.join(allowed)}; got {value!r}."
+            f"{_suggest(str(value), list(allowed))}"
+        )
+    setattr(section, key, value)
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"config file '{path}' not found (from --job.config_file). "
+            "Pass an existing TOML file, e.g. train_configs/debug_model.toml."
+        )
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}. Fix the line shown.") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str) -> None:
+    for section_name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"'{section_name}' in '{path}' must be a [section] table, e.g. [training] then steps = 10."
+            )
+        for key, value in table.items():
+            _set(cfg, f"{section_name}.{key}", value, from_cli=False)
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    """Turn ['--a.b', 'v', '--c.d=w', '--e.flag', '--e.no-flag'] into (key, raw) pairs."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument '{arg}'. Overrides look like --section.key value; run with --help."
+            )
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+            pairs.append((key, raw))
+            i += 1
+            continue
+        key = body
+        section, _, name = key.partition(".")
+        is_bool = _is_bool_key(key)
+        negated = None
+        for prefix in ("no-", "no_"):
+            if name.startswith(prefix) and _is_bool_key(f"{section}.{name[len(prefix):]}"):
+                negated = f"{section}.{name[len(prefix):]}"
+        if negated is not None and not is_bool:
+            pairs.append((negated, "false"))
+            i += 1
+            continue
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if is_bool and (nxt is None or nxt.lower() not in _TRUE + _FALSE):
+            pairs.append((key, "true"))
+            i += 1
+            continue
+        if nxt is None or (nxt.startswith("--") and "." in nxt):
+            raise ConfigError(f"missing value for --{key}. Pass it as --{key} VALUE or --{key}=VALUE.")
+        pairs.append((key, nxt))
+        i += 2
+    return pairs
+
+
+def _is_bool_key(dotted: str) -> bool:
+    section_name, _, key = dotted.partition(".")
+    section = getattr(JobConfig(), section_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        return False
+    tp = _key_types(type(section)).get(key)
+    return tp is not None and _unwrap_optional(tp)[0] is bool
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the config from defaults, then `--job.config_file`, then the other overrides."""
+    pairs = _parse_cli(argv)
+    cfg = JobConfig()
+    config_files = [raw for key, raw in pairs if key == "job.config_file"]
+    if config_files:
+        path = config_files[-1]
+        _apply_toml(cfg, _load_toml(path), path)
+    for key, raw in pairs:
+        _set(cfg, key, raw, from_cli=True)
+    _check_values(cfg)
+    return cfg
+
+
+def _check_values(cfg: JobConfig) -> None:
+    """Range checks that need no process group; mesh checks live in parallel/mesh.py."""
+    t = cfg.training
+    positive = {
+        "training.local_batch_size": t.local_batch_size,
+        "training.seq_len": t.seq_len,
+        "training.steps": t.steps,
+        "metrics.log_freq": cfg.metrics.log_freq,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "validation.freq": cfg.validation.freq,
+        "validation.steps": cfg.validation.steps,
+        "profiling.profile_freq": cfg.profiling.profile_freq,
+        "parallelism.tensor_parallel_degree": cfg.parallelism.tensor_parallel_degree,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {value}.")
+    if t.global_batch_size != -1 and t.global_batch_size < 1:
+        raise ConfigError(f"training.global_batch_size must be -1 (auto) or >= 1, got {t.global_batch_size}.")
+    dp = cfg.parallelism.data_parallel_shard_degree
+    if dp != -1 and dp < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (auto) or >= 1, got {dp}.")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise ConfigError("lr_scheduler.warmup_steps must be >= 0.")
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio must be in [0, 1], got {ratio}.")
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError("lr_scheduler.min_lr_factor must be in [0, 1].")
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}."
+        )
+    unknown = set(cfg.compile.components) - {"model", "loss"}
+    if unknown:
+        raise ConfigError(f"compile.components accepts model and loss; got {sorted(unknown)}.")
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """Serialize so that `load_config(['--job.config_file', path])` gives back the same config."""
+    lines: list[str] = []
+    for section_name, table in cfg.to_dict().items():
+        lines.append(f"[{section_name}]")
+        for key, value in table.items():
+            if value is None:
+                continue  # TOML has no null; the default of every optional key is None
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def help_text() -> str:
+    """Every key with its type, default and the comment that documents it."""
+    import inspect
+
+    out = ["usage: train.py --job.config_file FILE [--section.key VALUE ...]", ""]
+    for f in dataclasses.fields(JobConfig):
+        section_cls = _key_types(JobConfig)[f.name]
+        comments = _field_comments(inspect.getsource(section_cls))
+        out.append(f"[{f.name}]")
+        defaults = dataclasses.asdict(section_cls())
+        for key, tp in _key_types(section_cls).items():
+            flag = f"--{f.name}.{key}"
+            out.append(f"  {flag:<48} {_type_name(tp):<16} default={defaults[key]!r:<14} {comments.get(key, '')}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _field_comments(source: str) -> dict[str, str]:
+    comments = {}
+    for line in source.splitlines():
+        stripped = line.strip()
+        if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
+            comments[stripped.split(":", 1)[0].strip()] = stripped.split("#", 1)[1].strip()
+    return comments
