@@ -1,0 +1,16 @@
+from models import ModelSpec
+from models.llama3 import parallelize
+from models.llama3.args import FLAVORS, flavor_args
+from models.llama3.model import Transformer
+
+spec = ModelSpec(
+    name="llama3",
+    flavors=FLAVORS,
+    build_args=flavor_args,
+    model_cls=Transformer,
+    root_tp_plan=parallelize.root_tp_plan,
+    block_tp_plan=parallelize.block_tp_plan,
+    tp_divisible_sizes=parallelize.tp_divisible_sizes,
+    blocks=parallelize.blocks,
+    fsdp_units=parallelize.fsdp_units,
+)

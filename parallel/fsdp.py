@@ -1,0 +1,44 @@
+"""FSDP2 (`fully_shard`) on the data-parallel mesh dim, with mixed precision.
+
+This is the default data-parallel engine. It takes the units to shard from the model's spec
+(embedding, each block, norm+head) so it knows nothing of a particular model; parameters that
+tensor parallelism already made DTensors keep their tp placement and gain the dp one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    units: Sequence[FSDPUnit],
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str = "default",
+) -> None:
+    """Shard each unit, then the root (which picks up any parameter left over).
+
+    reshard_after_forward: "default" frees each unit's gathered parameters after its forward
+    except the last unit's (backward needs them straight away, so keeping them saves one
+    all-gather); "always" / "never" apply to every unit, the root included.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for index, unit in enumerate(units):
+        is_last = index == len(units) - 1
+        if reshard_after_forward == "default":
+            reshard = not is_last
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(list(unit) if isinstance(unit, (list, tuple)) else unit,
+                    mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
