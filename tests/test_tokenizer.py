@@ -22,7 +22,8 @@ def cl100k() -> Tokenizer:
 
 def _cl100k_ranks() -> dict[bytes, int]:
     with open(bundled_cl100k_path(), "rb") as f:
-        return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
+        pairs = (line.split() for line in f if line.strip())
+        return {base64.b64decode(tok): int(rank) for tok, rank in pairs}
 
 
 def _write_bpe(path, ranks: dict[bytes, int]) -> str:
@@ -39,7 +40,8 @@ def test_cl100k_round_trip_matches_tiktoken(cl100k, text):
     assert ids == reference.encode_ordinary(text)
     assert cl100k.decode(ids) == text
     assert cl100k.encode(text, bos=True, eos=True) == [cl100k.bos_id] + ids + [cl100k.eos_id]
-    assert cl100k.encode_batch([text, "x"], bos=False, eos=True) == [ids + [cl100k.eos_id], [87, cl100k.eos_id]]
+    eos = cl100k.eos_id
+    assert cl100k.encode_batch([text, "x"], bos=False, eos=True) == [ids + [eos], [87, eos]]
 
 
 def test_cl100k_special_ids(cl100k):
