@@ -1,0 +1,300 @@
+"""Training metrics: one record per logged step to the console, TensorBoard and metrics.jsonl.
+
+Only rank 0 writes. Throughput is averaged over the steps since the previous log (not the
+last step alone), so `tps`, `tflops` and `mfu` are stable numbers that do not depend on
+which step happened to hit a slow data batch. Definitions are in docs/metrics.md.
+
+Backends are small `_Sink` objects (`write(step, values)`, `close()`); adding another
+one (e.g. Weights & Biases) means writing one such class and appending it in
+`MetricsLogger.__init__`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Protocol, TextIO
+
+import torch
+
+from trainer.compile_health import CompileHealth
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors'
+# spec sheets. Matched as substrings of the device name; more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("MI300X", 1307e12),
+)
+
+_GIB = 1024**3
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a device by its name, or None when it is not in the table."""
+    lowered = device_name.lower()
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in lowered:
+            return flops
+    return None
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of `device`; None on CPU or for an unknown accelerator."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def memory_stats(device: torch.device) -> dict[str, float | None]:
+    """Peak memory since the previous call. CUDA peaks are reset after reading; on CPU the
+    only cheap number is the process's lifetime max RSS, reported as "active"."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        reserved = stats.get("reserved_bytes.all.peak", 0)
+        active = stats.get("active_bytes.all.peak", 0)
+        torch.cuda.reset_peak_memory_stats(device)
+        return {
+            "memory_max_active_gib": active / _GIB,
+            "memory_max_reserved_gib": reserved / _GIB,
+            "memory_pct": 100.0 * reserved / total,
+        }
+    import resource
+
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024  # Linux reports KiB
+    return {"memory_max_active_gib": rss_bytes / _GIB, "memory_max_reserved_gib": None, "memory_pct": None}
+
+
+def format_eta(seconds: float | None) -> str:
+    """Compact remaining time: 42s, 5m07s, 1h02m, 2d03h."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+_COLORS = {"step": "36", "loss": "32", "speed": "33", "memory": "34", "warn": "31", "eta": "35"}
+
+
+def _paint(text: str, role: str, color: bool) -> str:
+    return f"\033[{_COLORS[role]}m{text}\033[0m" if color else text
+
+
+def _num(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.4g}"
+
+
+def format_console(record: dict[str, Any], total_steps: int, *, color: bool, extra_keys: tuple[str, ...] = ()) -> str:
+    """One line per log: step/total, loss, grad_norm, lr, tps, tflops, mfu, memory, recompiles, ETA."""
+    width = len(str(total_steps))
+    parts = [_paint(f"step {record['step']:>{width}}/{total_steps}", "step", color)]
+    if "loss" in record:
+        parts.append(_paint(f"loss {record['loss']:.4f}", "loss", color))
+    if "grad_norm" in record:
+        parts.append(f"gnorm {_num(record['grad_norm'])}")
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
+    if "tps" in record:
+        parts.append(_paint(f"tps {record['tps']:,.0f}", "speed", color))
+    if "tflops" in record:
+        parts.append(_paint(f"tflops {record['tflops']:.1f}", "speed", color))
+    if record.get("mfu") is not None:
+        parts.append(_paint(f"mfu {record['mfu']:.1f}%", "speed", color))
+    if record.get("memory_max_active_gib") is not None:
+        mem = f"mem {record['memory_max_active_gib']:.2f}GiB"
+        if record.get("memory_pct") is not None:
+            mem += f" ({record['memory_pct']:.0f}%)"
+        parts.append(_paint(mem, "memory", color))
+    if "recompiles" in record:
+        new = record.get("recompiles_since_log", 0)
+        text = f"recompiles {record['recompiles']}" + (f" (+{new})" if new else "")
+        parts.append(_paint(text, "warn", color) if new else text)
+    for key in extra_keys:
+        parts.append(f"{key} {_num(float(record[key]))}")
+    if "eta_s" in record:
+        parts.append(_paint(f"eta {format_eta(record['eta_s'])}", "eta", color))
+    return "  ".join(parts)
+
+
+def _json_value(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class _Sink(Protocol):
+    def write(self, step: int, values: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TensorBoardSink:
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imported only when enabled (slow)
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _JsonlSink:
+    """Appends, so a resumed run continues the same file; readers keep the last line per step."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a")
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _json_value(v) for k, v in values.items() if k != "step"}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class MetricsLogger:
+    """Times steps and writes one metrics record per logged step (rank 0 only).
+
+    Per step: `step_begin()`, `data_loaded()` once the batch is on the device, then on
+    logged steps (`should_log(step)`) `log(...)` with the dp-averaged loss and the tokens
+    this device processed since the previous log.
+    """
+
+    def __init__(
+        self,
+        metrics_cfg: Any,
+        *,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        flops_per_token: float,
+        total_steps: int,
+        compile_health: CompileHealth | None = None,
+        peak_flops: float | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        """`peak_flops` overrides the device table (for a device missing from it, or tests);
+        `stream` is where the console line goes (default stdout)."""
+        self.log_freq = metrics_cfg.log_freq
+        self.rank = rank
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.total_steps = total_steps
+        self.compile_health = compile_health
+        self.peak_flops = peak_flops if peak_flops is not None else device_peak_flops(device)
+        self.stream = stream if stream is not None else sys.stdout
+        self.color = self.stream.isatty()
+        self.sinks: list[_Sink] = []
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            if metrics_cfg.enable_tensorboard:
+                self.sinks.append(_TensorBoardSink(os.path.join(dump_folder, metrics_cfg.save_tb_folder)))
+            if metrics_cfg.enable_jsonl:
+                self.sinks.append(_JsonlSink(os.path.join(dump_folder, "metrics.jsonl")))
+        self._last_log_time = time.perf_counter()
+        self._last_log_step = 0
+        self._window_start: float | None = None
+        self._window_steps = 0
+        self._data_time = 0.0
+        self._step_start = self._last_log_time
+
+    def step_begin(self) -> None:
+        now = time.perf_counter()
+        if self._window_start is None:
+            self._window_start = now
+        self._step_start = now
+        self._window_steps += 1
+
+    def data_loaded(self) -> None:
+        self._data_time += time.perf_counter() - self._step_start
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step == self.total_steps
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        extra: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """Build, write (rank 0) and return the record for `step`. `tokens` counts this
+        device's tokens since the previous log; the caller syncs the device beforehand
+        (reading `loss` as a float does)."""
+        now = time.perf_counter()
+        start = self._window_start if self._window_start is not None else self._last_log_time
+        elapsed = max(now - start, 1e-9)
+        steps = self._window_steps or max(step - self._last_log_step, 1)
+        tps = tokens / elapsed
+        tflops = tps * self.flops_per_token / 1e12
+        step_time = elapsed / steps
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "tps": tps,
+            "tflops": tflops,
+            "mfu": 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+            "step_time_s": step_time,
+            "data_time_pct": 100.0 * self._data_time / elapsed,
+            **memory_stats(self.device),
+            "eta_s": step_time * max(self.total_steps - step, 0),
+        }
+        if self.compile_health is not None:
+            record.update(self.compile_health.snapshot(step))
+        extra = {k: float(v) for k, v in (extra or {}).items()}
+        record.update(extra)
+        self._emit(step, record, tuple(extra))
+        self._last_log_time = time.perf_counter()
+        self._last_log_step = step
+        self._window_start = None
+        self._window_steps = 0
+        self._data_time = 0.0
+        return record
+
+    def log_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Write scalars outside the training record, e.g. validation loss and perplexity."""
+        values = {k: float(v) for k, v in values.items()}
+        self._emit(step, {"step": step, **values}, tuple(values))
+
+    def _emit(self, step: int, record: dict[str, Any], extra_keys: tuple[str, ...]) -> None:
+        if self.rank != 0:
+            return
+        for sink in self.sinks:
+            sink.write(step, record)
+        line = format_console(record, self.total_steps, color=self.color, extra_keys=extra_keys)
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
