@@ -236,3 +236,11 @@ def test_compiled_module_is_named_as_such(make_health):
     (event,) = health.events
     assert event.where.startswith("a torch.compile'd module")
     assert "size mismatch" in event.summary
+
+
+def test_a_resumed_run_warms_up_again(make_health):
+    health = make_health(warmup_steps=2, max_recompiles_after_warmup=0)
+    fn = torch.compile(scaled_sum, backend="eager", dynamic=False)
+    run_steps(health, fn, [torch.randn(4), torch.randn(5)], first_step=101)  # resumed at step 100
+    assert health.warm
+    assert (health.recompiles, health.recompiles_after_warmup) == (1, 0)

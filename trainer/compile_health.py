@@ -157,8 +157,8 @@ def _parse_graph_break(text: str) -> tuple[str, str, str]:
 class CompileHealth:
     """Tracks recompiles, graph breaks and compile time from the moment it is created.
 
-    Call `check(step)` at the end of every step (it also ends the warm-up on its own once
-    `step >= compile.warmup_steps`), merge `snapshot(step)` into each metrics record, and
+    Call `check(step)` at the end of every step (it also ends the warm-up on its own after
+    `compile.warmup_steps` checks, so a resumed run warms up again), merge `snapshot(step)` into each metrics record, and
     call `write_report()` then `close()` at the end of the run. Every rank tracks its own
     counts so that `check` raises on every rank; only rank 0 logs and writes the report.
     """
@@ -179,6 +179,7 @@ class CompileHealth:
         self.compile_time_first_s = 0.0
         self._first_compile_step: int | None = None
         self._step = 0  # latest step seen by a poll
+        self._checks = 0  # steps checked by this process
         self._recompiles_at_last_snapshot = 0
         self._allowed: str = ""
         self._stance_set = False
@@ -318,7 +319,8 @@ class CompileHealth:
         """Call at the end of every step. Raises RecompileBudgetExceeded once more than
         `compile.max_recompiles_after_warmup` recompiles happened after warm-up."""
         self._poll(step)
-        if not self.warm and step >= self.warmup_steps:
+        self._checks += 1
+        if not self.warm and self._checks >= self.warmup_steps:
             self.end_warmup(step)
         budget = self.max_recompiles_after_warmup
         if budget is None or self.recompiles_after_warmup <= budget:
