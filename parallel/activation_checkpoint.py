@@ -1,0 +1,145 @@
+"""Activation checkpointing of transformer blocks: full, every N-th block, or op-level selective.
+
+Model-agnostic: the caller passes the container of blocks (e.g. `model.layers`). A block is
+checkpointed in place by swapping its class for a subclass whose `forward` runs the original
+forward under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. FSDP2's
+`fully_shard` uses the same class-swap trick, and it keeps what matters to the rest of the
+framework unchanged: parameter and state-dict names (no `_checkpoint_wrapped_module.` prefix),
+`isinstance` checks, and module hooks, which stay outside the checkpointed region so FSDP2's
+all-gather hooks are not replayed by the recompute.
+
+Order of application (see docs/compile_and_ac.md): tensor parallel, then AC, then compile,
+then FSDP. AC must come before compile so the compiler sees the checkpoint region and its
+save/recompute policy; FSDP comes last so its hooks wrap the finished (checkpointed,
+compiled) block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  registers _c10d_functional_autograd ops
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "full", "selective")
+
+aten = torch.ops.aten
+
+# Matmuls alternate between saved and recomputed: every other one is cheap to keep and the
+# rest buys back most of the memory.
+_MATMUL_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})
+
+
+def _existing_ops(namespace: object, names: list[str]) -> set:
+    """`<namespace>.<name>.default` for the names this torch build has (checked on 2.11-2.13)."""
+    return {getattr(namespace, n).default for n in names if hasattr(namespace, n)}
+
+
+def _ops_to_save() -> frozenset:
+    """Ops whose outputs are always saved: recomputing them costs far more than storing them.
+
+    Attention kernels (quadratic in sequence length), and collectives (recomputing one would
+    issue the communication again inside backward). The CPU math fallback of
+    `F.scaled_dot_product_attention` (used for e.g. float64 or an explicit math backend) is a
+    composite op: it dispatches as bmm / softmax / ..., so it falls under the matmul rule.
+    """
+    attention = _existing_ops(
+        aten,
+        [
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_fused_attention_overrideable",
+        ],
+    )
+    # _c10d_functional: what functional collectives and DTensor redistribute dispatch to;
+    # _c10d_functional_autograd: their differentiable variants used by funcol's autograd path.
+    collectives = _existing_ops(torch.ops._c10d_functional, ["reduce_scatter_tensor", "all_reduce"])
+    collectives |= _existing_ops(torch.ops._c10d_functional_autograd, ["reduce_scatter_tensor"])
+    return frozenset(attention | collectives)
+
+
+_SAVE_OPS = _ops_to_save()
+
+
+def op_level_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
+    """The selective-AC policy of one checkpointed call; `counts` is that call's matmul counter.
+
+    Forward and recompute count matmuls separately (keyed by `ctx.is_recompute`) so that the
+    recompute makes the same save/recompute decision for the k-th matmul as the forward did.
+    """
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in _MATMUL_OPS:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        if func in _SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def op_level_context_fn():
+    """`context_fn` for `checkpoint`: a fresh matmul counter for every checkpointed call."""
+    return create_selective_checkpoint_contexts(op_level_policy(defaultdict(int)))
+
+
+_CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _checkpointed_class(cls: type, op_level: bool) -> type:
+    """A subclass of `cls` whose forward runs `cls.forward` under non-reentrant checkpoint."""
+    key = (cls, op_level)
+    if key not in _CHECKPOINTED_CLASSES:
+        extra = {"context_fn": op_level_context_fn} if op_level else {}
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, **extra, **kwargs)
+
+        prefix = "SelectiveCheckpointed" if op_level else "Checkpointed"
+        _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
+    return _CHECKPOINTED_CLASSES[key]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `apply_activation_checkpointing` wrapped this module (also once FSDP2 wrapped it)."""
+    return isinstance(module, tuple(_CHECKPOINTED_CLASSES.values()))
+
+
+def apply_activation_checkpointing(
+    blocks: nn.ModuleDict | nn.ModuleList, mode: str, selective_ac_option: str
+) -> None:
+    """Checkpoint the blocks in place, following `[activation_checkpoint]` in the config.
+
+    mode "none": nothing. "full": every block. "selective" with option "op": every block,
+    under the op-level policy (save attention, collective and every other matmul output;
+    recompute the rest). "selective" with option N: the N-th, 2N-th, ... block (1-based),
+    fully checkpointed.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}; got {mode!r}.")
+    if mode == "none":
+        return
+    every, op_level = 1, False
+    if mode == "selective":
+        if selective_ac_option == "op":
+            op_level = True
+        elif selective_ac_option.isdigit() and int(selective_ac_option) >= 1:
+            every = int(selective_ac_option)
+        else:
+            raise ValueError(
+                "activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
+                f"got {selective_ac_option!r}."
+            )
+    modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else list(blocks)
+    for i, block in enumerate(modules):
+        if is_checkpointed(block):
+            raise ValueError(f"block {i} ({type(block).__name__}) is already activation-checkpointed.")
+        if (i + 1) % every == 0:
+            block.__class__ = _checkpointed_class(type(block), op_level)
