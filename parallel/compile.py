@@ -1,0 +1,63 @@
+"""torch.compile of the model (per transformer block, or whole) and of the loss.
+
+Compilation is in place (`Module.compile`), never `torch.compile(module)`: the wrapper that
+the latter returns renames every state-dict key with an `_orig_mod.` prefix, which would
+leak into checkpoints. Shapes are static (`dynamic=False`): the data loader never yields a
+partial batch, so a shape change is a bug worth a visible recompile rather than a silently
+symbolic graph.
+
+Order of application: tensor parallel, activation checkpointing, then `apply_compile`, then
+FSDP. See docs/compile_and_ac.md for why, and for what the "model" strategy does under FSDP2.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from trainer.config import Compile
+
+STRATEGIES = ("blocks", "model")
+
+
+def _set_recompile_limit(limit: int) -> None:
+    # `recompile_limit` is the torch >= 2.7 name; `cache_size_limit` is an alias of it on the
+    # supported versions (checked on 2.13), so setting one sets both.
+    torch._dynamo.config.recompile_limit = limit
+
+
+def apply_compile(model: nn.Module, blocks: nn.ModuleDict | nn.ModuleList, compile_cfg: Compile) -> nn.Module:
+    """Compile in place following `[compile]`; a no-op unless enabled with "model" in components.
+
+    strategy "blocks": each block's forward is one full graph (`fullgraph=True`), so a graph
+    break inside a block is an error instead of a silent slowdown; identical blocks share
+    the compiled code. strategy "model": the whole model is one compile region with graph
+    breaks allowed, which FSDP2 needs: its hooks are excluded from tracing.
+    """
+    if not compile_cfg.enable or "model" not in compile_cfg.components:
+        return model
+    if compile_cfg.strategy not in STRATEGIES:
+        raise ValueError(f"compile.strategy must be one of {', '.join(STRATEGIES)}; got {compile_cfg.strategy!r}.")
+    _set_recompile_limit(compile_cfg.recompile_limit)
+    if compile_cfg.strategy == "blocks":
+        modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
+        for block in modules:
+            block.compile(backend=compile_cfg.backend, fullgraph=True, dynamic=False)
+    else:
+        model.compile(backend=compile_cfg.backend, dynamic=False)
+    return model
+
+
+def compile_loss(loss_fn: Callable[..., torch.Tensor], compile_cfg: Compile) -> Callable[..., torch.Tensor]:
+    """The loss compiled following `[compile]`; `loss_fn` itself unless "loss" is in components.
+
+    Graph breaks are allowed: under loss parallel the loss runs on DTensors, whose dispatch
+    may not trace as one graph.
+    """
+    if not compile_cfg.enable or "loss" not in compile_cfg.components:
+        return loss_fn
+    _set_recompile_limit(compile_cfg.recompile_limit)
+    return torch.compile(loss_fn, backend=compile_cfg.backend, dynamic=False)

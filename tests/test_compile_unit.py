@@ -1,0 +1,188 @@
+"""apply_compile / compile_loss on one process with cheap backends: what gets compiled, that
+it matches eager, that state-dict names survive, and that [compile] keys take effect."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.compile import apply_compile, compile_loss
+from trainer.config import Compile
+
+DIM, VOCAB, SEQ = 16, 32, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, n_blocks=2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(n_blocks)})
+        self.out = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.layers.values():
+            x = block(x)
+        return self.out(x)
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Compiled code is cached per code object, so each test starts from an empty cache; the
+    recompile limit, which apply_compile sets globally, is restored afterwards."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        yield
+    torch._dynamo.reset()
+
+
+def _cfg(**kw):
+    return Compile(**{"enable": True, "backend": "aot_eager", **kw})
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g)
+
+
+def _step(model, loss=loss_fn):
+    tokens, labels = _data()
+    value = loss(model(tokens), labels)
+    value.backward()
+    return value.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _model():
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the graph eagerly and counts compilations."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+@pytest.mark.parametrize("strategy", ["blocks", "model"])
+def test_compiled_matches_eager_and_keeps_names(strategy):
+    ref = _model()
+    model = copy.deepcopy(ref)
+    assert apply_compile(model, model.layers, _cfg(strategy=strategy)) is model
+    loss_ref, grads_ref = _step(ref)
+    loss, grads = _step(model)
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], rtol=0, atol=1e-6, msg=name)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert type(model) is TinyLM and all(type(b) is Block for b in model.layers.values())
+
+
+def test_blocks_strategy_compiles_each_block_only():
+    model = _model()
+    apply_compile(model, model.layers, _cfg(strategy="blocks"))
+    assert all(b._compiled_call_impl is not None for b in model.layers.values())
+    assert model._compiled_call_impl is None
+
+
+def test_blocks_strategy_works_on_module_list():
+    model = nn.Sequential(Block(), Block())
+    apply_compile(model, model, _cfg(strategy="blocks"))
+    assert all(b._compiled_call_impl is not None for b in model)
+
+
+def test_blocks_strategy_is_fullgraph():
+    class Breaks(nn.Module):
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return x + 1
+
+    container = nn.ModuleList([Breaks()])
+    apply_compile(container, container, _cfg(strategy="blocks"))
+    with pytest.raises(Exception, match="graph_break"):
+        container[0](torch.ones(2))
+
+
+def test_model_strategy_is_one_region():
+    model = _model()
+    backend = CountingBackend()
+    apply_compile(model, model.layers, _cfg(strategy="model", backend=backend))
+    assert model._compiled_call_impl is not None
+    assert all(b._compiled_call_impl is None for b in model.layers.values())
+    _step(model)
+    assert backend.graphs == 1
+
+
+@pytest.mark.parametrize("cfg", [Compile(enable=False), Compile(enable=True, components=["loss"])])
+def test_disabled_leaves_model_alone(cfg):
+    model = _model()
+    apply_compile(model, model.layers, cfg)
+    assert model._compiled_call_impl is None
+    assert all(b._compiled_call_impl is None for b in model.layers.values())
+
+
+def test_recompile_limit_is_applied():
+    model = _model()
+    backend = CountingBackend()
+    apply_compile(model, model.layers, _cfg(strategy="blocks", backend=backend, recompile_limit=2))
+    assert torch._dynamo.config.recompile_limit == 2
+    assert torch._dynamo.config.cache_size_limit == 2
+    block = model.layers["0"]
+    with torch.no_grad():
+        for seq in (4, 5):  # static shapes: every new length is a recompile
+            block(torch.randn(1, seq, DIM))
+        assert backend.graphs == 2
+        # fullgraph=True turns the limit into a hard error instead of a silent eager fallback
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            block(torch.randn(1, 6, DIM))
+
+
+def test_compile_loss_matches_eager():
+    backend = CountingBackend()
+    compiled = compile_loss(loss_fn, _cfg(backend=backend))
+    assert compiled is not loss_fn
+    logits = torch.randn(2, SEQ, VOCAB, requires_grad=True)
+    _, labels = _data()
+    value = compiled(logits, labels)
+    value.backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    expected = loss_fn(logits, labels)
+    expected.backward()
+    torch.testing.assert_close(value, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, logits.grad, rtol=0, atol=1e-6)
+    assert backend.graphs == 1
+
+
+@pytest.mark.parametrize("cfg", [Compile(enable=False), Compile(enable=True, components=["model"])])
+def test_compile_loss_disabled_returns_same_function(cfg):
+    assert compile_loss(loss_fn, cfg) is loss_fn
+
+
+def test_bad_strategy_raises():
+    model = _model()
+    with pytest.raises(ValueError, match="compile.strategy"):
+        apply_compile(model, model.layers, _cfg(strategy="layers"))
