@@ -1,0 +1,547 @@
+"""Checkpoint manager, preemption flag and HF export, on CPU with gloo.
+
+The models here are toys with our parameter names so the tests do not depend on
+models/. The multi-process test reshards one checkpoint across three meshes inside
+a single 4-process spawn to keep the runtime small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from trainer.checkpoint import HOLD_ENV, CheckpointError, CheckpointManager, complete_steps  # noqa: E402
+from trainer.config import Checkpoint, ConfigError  # noqa: E402
+from trainer.export import (  # noqa: E402
+    export_hf,
+    load_safetensors,
+    permute_for_hf_rope,
+    save_safetensors,
+    to_hf_state_dict,
+    write_hf_checkpoint,
+)
+from trainer.preemption import PreemptionHandler  # noqa: E402
+
+ARGS = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_seq_len": 128}
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        hd = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * hd, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(n_heads * hd, dim, bias=False)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(dim, 48)
+        self.attention_norm = nn.RMSNorm(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+
+
+class ToyLlama(nn.Module):
+    """Parameter names and shapes of our Llama; no forward (tests set grads directly)."""
+
+    def __init__(self, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2, vocab: int = 64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, n_kv_heads) for i in range(n_layers)})
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+
+class ToyMLP(nn.Module):
+    """RMSNorm + SwiGLU FFN: enough for an FSDP2 x TP plan (colwise w1/w3, rowwise w2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.ff = FeedForward(16, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(self.norm(x))
+
+
+class Loader:
+    """Stands in for the data loader: its state is global samples consumed."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> dict:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples = state["samples"]
+
+
+def make_optim(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def fake_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loader: Loader) -> None:
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sched.step()
+    loader.samples += 8
+
+
+def manager(dump: str, model, opt, sched, loader, **cfg) -> CheckpointManager:
+    ckpt = Checkpoint(**{"enable": True, "folder": "ckpt", "interval": 1, "keep_latest_k": 0, **cfg})
+    return CheckpointManager(ckpt, dump_folder=dump, model=model, optimizer=opt, lr_scheduler=sched,
+                             dataloader=loader, extra_state=lambda: {"tokens": 1234}, config_toml="[job]\n",
+                             model_fingerprint=ARGS)
+
+
+def build(dump: str, seed: int = 0, steps: int = 1, **cfg) -> tuple:
+    """A ToyLlama trained `steps` fake steps from `seed`, with its optimizer, scheduler, loader, manager."""
+    torch.manual_seed(seed)
+    model = ToyLlama()
+    opt, sched = make_optim(model)
+    loader = Loader()
+    for _ in range(steps):
+        fake_step(model, opt, sched, loader)
+    return model, opt, sched, loader, manager(dump, model, opt, sched, loader, **cfg)
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}}
+
+
+def assert_same(a, b) -> None:
+    """Exact equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def tree_digest(folder: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def world1(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- single process
+
+
+def test_round_trip_restores_everything(tmp_path, world1):
+    model, opt, sched, loader, mgr = build(str(tmp_path), seed=0, steps=2)
+    mgr.save(2)
+    mgr.close()
+    ref, rng = snapshot(model, opt), torch.get_rng_state()
+    torch.randn(10)  # move the RNG so restoring it is observable
+
+    model2, opt2, sched2, loader2, mgr2 = build(str(tmp_path), seed=1, steps=1)
+    assert mgr2.load() == 2
+    assert_same(ref, snapshot(model2, opt2))
+    assert sched2.last_epoch == sched.last_epoch == 2
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert loader2.samples == loader.samples == 16
+    assert mgr2.restored_extra_state == {"tokens": 1234}
+    assert torch.equal(torch.get_rng_state(), rng)
+    ckpt = tmp_path / "ckpt" / "step-2"
+    assert (ckpt / "config.toml").read_text() == "[job]\n"
+    assert json.loads((ckpt / "fingerprint.json").read_text())["params"]["layers.0.attention.wk.weight"] == [16, 32]
+
+    _, _, _, _, mgr3 = build(str(tmp_path), load_step=7)
+    with pytest.raises(CheckpointError, match="load_step = 7.*complete steps: 2"):
+        mgr3.load()
+    _, _, _, _, empty = build(str(tmp_path / "elsewhere"))
+    assert empty.load() == 0
+
+
+def test_async_equals_sync_and_is_isolated_from_later_steps(tmp_path, world1):
+    model, opt, sched, loader, sync_mgr = build(str(tmp_path / "sync"), steps=2)
+    sync_mgr.save(2)
+    async_mgr = manager(str(tmp_path / "async"), model, opt, sched, loader, async_mode="async")
+    ref = snapshot(model, opt)
+    async_mgr.save(2)
+    assert not (tmp_path / "async" / "ckpt" / "step-2").exists()  # published only once the write is done
+    fake_step(model, opt, sched, loader)  # the next step mutates params and optimizer state in place
+    async_mgr.wait()
+    assert complete_steps(str(tmp_path / "async" / "ckpt")) == [2]
+
+    loaded = []
+    for sub in ("sync", "async"):
+        m, o, _, _, mgr = build(str(tmp_path / sub), seed=5)
+        assert mgr.load() == 2
+        loaded.append(snapshot(m, o))
+    assert_same(loaded[0], ref)
+    assert_same(loaded[1], ref)
+
+
+def test_model_only_final_checkpoint(tmp_path):
+    model, opt, _, _, mgr = build(str(tmp_path), steps=1, interval=10, model_only_final=True, export_dtype="bfloat16")
+    mgr.maybe_save(3)  # not an interval step
+    assert complete_steps(mgr.folder) == []
+    mgr.maybe_save(5, last=True)
+    assert complete_steps(mgr.folder) == [5]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(os.path.join(mgr.folder, "step-5")).read_metadata()
+    assert all(k.startswith("model.") for k in md.state_dict_metadata)
+    assert {m.properties.dtype for m in md.state_dict_metadata.values()} == {torch.bfloat16}
+
+    m2, o2, _, _, mgr2 = build(str(tmp_path), seed=3, steps=0)
+    assert mgr2.load() == 5
+    for k, v in model.state_dict().items():
+        assert torch.equal(m2.state_dict()[k], v.to(torch.bfloat16).float())
+    assert len(o2.state) == 0
+
+
+def test_fingerprint_mismatch_and_corruption_leave_folder_unchanged(tmp_path):
+    _, _, _, _, mgr = build(str(tmp_path))
+    mgr.save(1)
+    folder = mgr.folder
+    before = tree_digest(folder)
+
+    torch.manual_seed(0)
+    other = ToyLlama(dim=48, n_heads=4)
+    opt, sched = make_optim(other)
+    mgr2 = CheckpointManager(Checkpoint(enable=True, folder="ckpt"), dump_folder=str(tmp_path), model=other,
+                             optimizer=opt, lr_scheduler=sched, dataloader=None)
+    with pytest.raises(CheckpointError, match=r"different model: \d+ param shapes differ \(e.g. layers"):
+        mgr2.load()
+    assert tree_digest(folder) == before
+    assert isinstance(CheckpointError("x"), ConfigError)  # train.py reports it like a config mistake
+
+    shard = next(f for f in os.listdir(os.path.join(folder, "step-1")) if f.endswith(".distcp"))
+    path = os.path.join(folder, "step-1", shard)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    corrupt = tree_digest(folder)
+    _, _, _, _, mgr3 = build(str(tmp_path), seed=2)
+    with pytest.raises(CheckpointError, match="step-1 is unreadable"):
+        mgr3.load()
+    assert tree_digest(folder) == corrupt
+
+    with open(os.path.join(folder, "step-1", "trainer_state.pt"), "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(CheckpointError, match="trainer_state.pt is missing or corrupt"):
+        mgr3.load()
+
+
+_KILL_SCRIPT = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import build, fake_step
+model, opt, sched, loader, mgr = build({dump!r})
+mgr.save(1)
+torch.save(model.state_dict(), {ref!r})
+os.environ[{hold!r}] = "120"
+fake_step(model, opt, sched, loader)
+mgr.save(2)
+"""
+
+
+def test_sigkill_mid_save_keeps_previous_and_keep_latest_k(tmp_path):
+    ref = str(tmp_path / "ref1.pt")
+    script = _KILL_SCRIPT.format(tests=os.path.dirname(__file__), dump=str(tmp_path), ref=ref, hold=HOLD_ENV)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    folder = tmp_path / "ckpt"
+    deadline = time.monotonic() + 90
+    try:
+        while not (folder / "step-2.tmp" / ".metadata").exists():
+            assert not (folder / "step-2").exists(), "step-2 was marked complete before the hold"
+            assert proc.poll() is None, "saving process exited before reaching the hold"
+            assert time.monotonic() < deadline, "saving process never reached the hold"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert complete_steps(str(folder)) == [1]
+
+    model, _, _, _, mgr = build(str(tmp_path), seed=9, steps=0, keep_latest_k=2)
+    assert mgr.load() == 1
+    assert_same(torch.load(ref), model.state_dict())
+    assert (folder / "step-2.tmp").is_dir()  # load changes nothing on disk
+
+    mgr.save(3)
+    assert sorted(os.listdir(folder)) == ["step-1", "step-3"]  # stale .tmp cleaned by a successful save
+    mgr.save(4)
+    mgr.save(5)
+    assert sorted(os.listdir(folder)) == ["step-4", "step-5"]
+    mgr.save(3)  # as after resuming from an older step: the checkpoint just written is kept
+    assert sorted(os.listdir(folder)) == ["step-3", "step-4", "step-5"]
+    mgr.save(5)  # same step again replaces it
+    assert sorted(os.listdir(folder)) == ["step-4", "step-5"]
+
+
+def test_preemption_flag_single_process():
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,))
+    try:
+        assert not handler.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert handler.should_stop()
+    finally:
+        handler.close()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+# ---------------------------------------------------------------- 4 processes: reshard
+
+
+def _parallelize(model: ToyMLP, dp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {"ff.w1": ColwiseParallel(), "ff.w3": ColwiseParallel(), "ff.w2": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp"])
+    return mesh
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {"model": get_model_state_dict(model, options=options),
+            "optim": get_optimizer_state_dict(model, opt, options=options)}
+
+
+def _reshard_worker(rank: int, world: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = ToyMLP()
+    mesh = _parallelize(model, 2, 2)
+    opt, sched = make_optim(model)
+    loader = Loader()
+    for _ in range(2):
+        torch.manual_seed(100 + mesh["dp"].get_local_rank())  # data differs across dp, equal across tp
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        loader.samples += 8
+    cfg = Checkpoint(enable=True, folder="ckpt", async_mode="async")
+    mgr = CheckpointManager(cfg, dump_folder=tmp, model=model, optimizer=opt, lr_scheduler=sched,
+                            dataloader=loader)
+    mgr.save(2)
+    mgr.close()
+    ref = _full_state(model, opt)
+    if rank == 0:
+        torch.save(ref, os.path.join(tmp, "ref.pt"))
+
+    for dp, tp in ((4, 1), (1, 4)):
+        torch.manual_seed(1)
+        model2 = ToyMLP()
+        _parallelize(model2, dp, tp)
+        opt2, sched2 = make_optim(model2)
+        loader2 = Loader()
+        mgr2 = CheckpointManager(cfg, dump_folder=tmp, model=model2, optimizer=opt2, lr_scheduler=sched2,
+                                 dataloader=loader2)
+        assert mgr2.load() == 2
+        got = _full_state(model2, opt2)
+        if rank == 0:
+            assert_same(got, ref)
+        assert loader2.samples == 16 and sched2.last_epoch == 2
+
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,))
+    assert not handler.should_stop()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.should_stop()  # every rank agrees, not only rank 1
+    handler.close()
+    dist.destroy_process_group()
+
+
+def _spawn(fn, nprocs: int, args: tuple, timeout: float) -> None:
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__} did not finish in {timeout}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def test_reshard_2x2_to_4x1_1x4_and_one_process(tmp_path):
+    _spawn(_reshard_worker, 4, (4, str(tmp_path)), timeout=150)
+    ref = torch.load(tmp_path / "ref.pt")
+    torch.manual_seed(2)
+    model = ToyMLP()
+    opt, sched = make_optim(model)
+    mgr = CheckpointManager(Checkpoint(enable=True, folder="ckpt"), dump_folder=str(tmp_path), model=model,
+                            optimizer=opt, lr_scheduler=sched, dataloader=None)
+    assert mgr.load() == 2
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    assert_same({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, ref)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _rope_interleaved(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama reference RoPE: rotate (x[2i], x[2i+1]) as a complex number. x: (seq, heads, hd)."""
+    seq, _, hd = x.shape
+    freqs = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
+    xc = torch.view_as_complex(x.double().reshape(seq, -1, hd // 2, 2))
+    return torch.view_as_real(xc * torch.polar(torch.ones_like(angles), angles)[:, None, :]).reshape(x.shape)
+
+
+def _rope_rotate_half(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF Llama RoPE: x * cos + rotate_half(x) * sin, halves paired."""
+    seq, _, hd = x.shape
+    freqs = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
+    emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+    x = x.double()
+    rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], dim=-1)
+    return x * emb.cos() + rotated * emb.sin()
+
+
+def test_permuted_wq_wk_give_same_attention_under_hf_rope():
+    torch.manual_seed(0)
+    dim, n_heads, n_kv, hd, seq = 32, 4, 2, 8, 5
+    wq, wk = torch.randn(n_heads * hd, dim), torch.randn(n_kv * hd, dim)
+    x = torch.randn(seq, dim)
+    ours_q = _rope_interleaved((x @ wq.T).view(seq, n_heads, hd), 1e4)
+    ours_k = _rope_interleaved((x @ wk.T).view(seq, n_kv, hd), 1e4)
+    hf_q = _rope_rotate_half((x @ permute_for_hf_rope(wq, n_heads).T).view(seq, n_heads, hd), 1e4)
+    hf_k = _rope_rotate_half((x @ permute_for_hf_rope(wk, n_kv).T).view(seq, n_kv, hd), 1e4)
+    # Same vectors, only the order inside each head differs: even dims first, then odd.
+    order = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+    torch.testing.assert_close(hf_q, ours_q[..., order])
+    torch.testing.assert_close(hf_k, ours_k[..., order])
+    kv = torch.arange(n_heads) // (n_heads // n_kv)
+    scores_ours = torch.einsum("shd,thd->hst", ours_q, ours_k[:, kv])
+    scores_hf = torch.einsum("shd,thd->hst", hf_q, hf_k[:, kv])
+    torch.testing.assert_close(scores_hf, scores_ours)
+    assert not torch.allclose(_rope_rotate_half((x @ wq.T).view(seq, n_heads, hd), 1e4), ours_q[..., order])
+
+
+def test_safetensors_round_trip_and_format(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(6).view(2, 3),
+               "d": torch.tensor([True, False]), "e": torch.randn(2, 2).half(), "z": torch.empty(0, 4)}
+    path = str(tmp_path / "t.safetensors")
+    save_safetensors(tensors, path)
+    assert_same(load_safetensors(path), tensors)
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        body = f.read()
+    assert n % 8 == 0 and header["__metadata__"]["format"] == "pt"
+    assert header["b"]["dtype"] == "BF16" and header["c"] == {"dtype": "I64", "shape": [2, 3],
+                                                                 "data_offsets": header["c"]["data_offsets"]}
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and spans[-1][1] == len(body)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gaps, no overlap
+    assert torch.equal(torch.frombuffer(bytearray(body[slice(*header["a"]["data_offsets"])]),
+                                        dtype=torch.float32).view(3, 5), tensors["a"])
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        return
+    assert_same(load_file(path), tensors)
+
+
+def test_hf_export_names_permutation_vocab_trim_and_convert_script(tmp_path, world1):
+    torch.manual_seed(0)
+    model = ToyLlama()
+    sd = model.state_dict()
+    hf = to_hf_state_dict(sd, ARGS, vocab_size=50)
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(2):
+        expected |= {f"model.layers.{i}.{n}.weight" for n in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+    assert set(hf) == expected
+    assert torch.equal(hf["model.embed_tokens.weight"], sd["tok_embeddings.weight"][:50])
+    assert torch.equal(hf["lm_head.weight"], sd["output.weight"][:50])
+    assert torch.equal(hf["model.layers.1.mlp.gate_proj.weight"], sd["layers.1.feed_forward.w1.weight"])
+    assert torch.equal(hf["model.layers.1.mlp.up_proj.weight"], sd["layers.1.feed_forward.w3.weight"])
+    assert torch.equal(hf["model.layers.1.mlp.down_proj.weight"], sd["layers.1.feed_forward.w2.weight"])
+    assert torch.equal(hf["model.layers.0.post_attention_layernorm.weight"], sd["layers.0.ffn_norm.weight"])
+    wk, hk = sd["layers.0.attention.wk.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.equal(hk[:4], wk[0:8:2]) and torch.equal(hk[4:8], wk[1:8:2])  # kv head 0: even rows, then odd
+    assert torch.equal(hk[8:12], wk[8:16:2])
+
+    export_hf(model, ARGS, str(tmp_path / "live"), dtype=torch.bfloat16)
+    live = load_safetensors(str(tmp_path / "live" / "model.safetensors"))
+    assert_same(live, to_hf_state_dict(sd, ARGS, dtype=torch.bfloat16))
+    config = json.loads((tmp_path / "live" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (32, 48, 2)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (4, 2, 64)
+    assert config["torch_dtype"] == "bfloat16" and math.isclose(config["rope_theta"], 1e4)
+
+    opt, sched = make_optim(model)
+    mgr = CheckpointManager(Checkpoint(enable=True, folder="ckpt"), dump_folder=str(tmp_path), model=model,
+                            optimizer=opt, lr_scheduler=sched, dataloader=None, model_fingerprint=ARGS)
+    mgr.save(1)
+    import runpy
+
+    convert = runpy.run_path(os.path.join(REPO, "scripts", "convert_to_hf.py"))["main"]
+    assert convert([str(tmp_path / "ckpt" / "step-1"), str(tmp_path / "conv"), "--vocab-size", "50"]) == 0
+    assert_same(load_safetensors(str(tmp_path / "conv" / "model.safetensors")), hf)
+    write_hf_checkpoint(sd, ARGS, str(tmp_path / "direct"), vocab_size=50)
+    assert (tmp_path / "conv" / "config.json").read_text() == (tmp_path / "direct" / "config.json").read_text()
