@@ -72,9 +72,10 @@ def test_depth_scaled_init():
     model = Transformer(flavor_args("debugmodel", vocab_size=512, max_seq_len=16))
     model.init_weights()
     first = model.layers["0"].attention.wo.weight.std().item()
-    last = model.layers["5"].attention.wo.weight.std().item()
+    n = model.args.n_layers
+    last = model.layers[str(n - 1)].attention.wo.weight.std().item()
     assert first == pytest.approx(0.02 / 2 ** 0.5, rel=0.1)
-    assert last == pytest.approx(0.02 / 12 ** 0.5, rel=0.1)
+    assert last == pytest.approx(0.02 / (2 * n) ** 0.5, rel=0.1)
 
 
 def test_rope_matches_complex_reference():

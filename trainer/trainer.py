@@ -127,6 +127,14 @@ class Trainer:
         loss = self._dp_mean(total / count)
         return {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
 
+    def _validate_allowing_recompile(self) -> dict[str, float]:
+        """Validation runs without grad, which compiled regions specialize on: that one
+        recompile is expected and must not count against the recompile budget."""
+        if self.compile_health is None:
+            return self.validate()
+        with self.compile_health.allow_recompiles("validation"):
+            return self.validate()
+
     def train(self) -> None:
         cfg = self.cfg
         self.step = self.checkpointer.load()
@@ -163,7 +171,7 @@ class Trainer:
                                      tokens=tokens_since_log)
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
-                    self.metrics.log_scalars(self.step, self.validate())
+                    self.metrics.log_scalars(self.step, self._validate_allowing_recompile())
                 stop = self.preemption.should_stop()
                 self.checkpointer.maybe_save(self.step, last=last or stop)
                 profiler.step()
@@ -177,4 +185,5 @@ class Trainer:
         self.checkpointer.close()
         if self.compile_health is not None:
             self.compile_health.write_report()
+            self.compile_health.close()
         self.metrics.close()

@@ -1,0 +1,43 @@
+"""Run a function in N CPU processes joined by a gloo process group (for multi-rank tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args) -> None:
+    """`fn(rank, world_size, *args)` in each process; raises if any process fails."""
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def torchrun_train(nproc: int, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Launch train.py under torchrun on CPU with the given overrides."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "train.py", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
