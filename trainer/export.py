@@ -149,8 +149,14 @@ def hf_config(hf_state_dict: dict[str, torch.Tensor], model_args: Any) -> dict:
         "initializer_range": 0.02,
         "torch_dtype": str(embed.dtype).removeprefix("torch."),
     }
-    if args.get("rope_scaling"):
-        config["rope_scaling"] = args["rope_scaling"]  # HF-format dict, passed through
+    if args.get("use_scaled_rope"):  # Llama 3.1 frequency scaling is HF's "llama3" rope type
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args["rope_scale_factor"],
+            "low_freq_factor": args["rope_low_freq_factor"],
+            "high_freq_factor": args["rope_high_freq_factor"],
+            "original_max_position_embeddings": args["rope_original_max_seq_len"],
+        }
     return config
 
 
