@@ -44,7 +44,8 @@ def _ops_to_save() -> frozenset:
     """Ops whose outputs are always saved: recomputing them costs far more than storing them.
 
     Attention kernels (quadratic in sequence length), and collectives (recomputing one would
-    issue the communication again inside backward). The CPU math fallback of
+    issue the communication again inside backward; under sequence parallel that includes the
+    all-gather in front of attention and the MLP). The CPU math fallback of
     `F.scaled_dot_product_attention` (used for e.g. float64 or an explicit math backend) is a
     composite op: it dispatches as bmm / softmax / ..., so it falls under the matmul rule.
     """
@@ -60,8 +61,10 @@ def _ops_to_save() -> frozenset:
     )
     # _c10d_functional: what functional collectives and DTensor redistribute dispatch to;
     # _c10d_functional_autograd: their differentiable variants used by funcol's autograd path.
-    collectives = _existing_ops(torch.ops._c10d_functional, ["reduce_scatter_tensor", "all_reduce"])
-    collectives |= _existing_ops(torch.ops._c10d_functional_autograd, ["reduce_scatter_tensor"])
+    collectives = ["reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"]
+    collectives = _existing_ops(torch.ops._c10d_functional, collectives) | _existing_ops(
+        torch.ops._c10d_functional_autograd, collectives
+    )
     return frozenset(attention | collectives)
 
 
@@ -92,6 +95,23 @@ def op_level_context_fn():
     return create_selective_checkpoint_contexts(op_level_policy(defaultdict(int)))
 
 
+def _recompute_all_but_attention(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def full_context_fn():
+    """`context_fn` for full AC: recompute everything but the attention kernel and collectives.
+
+    Their outputs are one activation each per block, and keeping them means backward never
+    re-runs the most expensive kernel or repeats communication. It is also what makes full AC
+    compile with tensor parallel: plain `checkpoint` (and any policy that recomputes SDPA)
+    under torch.compile with DTensor activations fails in AOTAutograd with "expected all
+    tensors_saved_with_vc_check to be Tensors ... DeviceMesh" (torch 2.13, TP + sequence
+    parallel), while saving the attention output traces cleanly.
+    """
+    return create_selective_checkpoint_contexts(_recompute_all_but_attention)
+
+
 _CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
 
 
@@ -99,10 +119,10 @@ def _checkpointed_class(cls: type, op_level: bool) -> type:
     """A subclass of `cls` whose forward runs `cls.forward` under non-reentrant checkpoint."""
     key = (cls, op_level)
     if key not in _CHECKPOINTED_CLASSES:
-        extra = {"context_fn": op_level_context_fn} if op_level else {}
+        context_fn = op_level_context_fn if op_level else full_context_fn
 
         def forward(self, *args, **kwargs):
-            return checkpoint(cls.forward, self, *args, use_reentrant=False, **extra, **kwargs)
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         prefix = "SelectiveCheckpointed" if op_level else "Checkpointed"
         _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
@@ -119,10 +139,10 @@ def apply_activation_checkpointing(
 ) -> None:
     """Checkpoint the blocks in place, following `[activation_checkpoint]` in the config.
 
-    mode "none": nothing. "full": every block. "selective" with option "op": every block,
-    under the op-level policy (save attention, collective and every other matmul output;
-    recompute the rest). "selective" with option N: the N-th, 2N-th, ... block (1-based),
-    fully checkpointed.
+    mode "none": nothing. "full": every block, recomputing all but attention and collective
+    outputs (`full_context_fn`). "selective" with option "op": every block, under the
+    op-level policy (save attention, collective and every other matmul output; recompute the
+    rest). "selective" with option N: the N-th, 2N-th, ... block (1-based), as in "full".
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}; got {mode!r}.")

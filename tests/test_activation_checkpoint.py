@@ -131,13 +131,15 @@ def test_op_level_recomputes_every_other_matmul_and_never_attention():
     assert log.attention == 0
 
 
-def test_full_recomputes_all_matmuls_and_attention():
+@pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "1")])
+def test_full_recomputes_all_matmuls_but_not_attention(mode, option):
     n = 3
     model, x = _make(n)
-    apply_activation_checkpointing(model.layers, "full", "op")
+    apply_activation_checkpointing(model.layers, mode, option)
     log = _recomputed(model, x)
+    # qkv is recomputed too: attention's backward needs its inputs, only its output is kept.
     assert log.addmm_widths == [3 * DIM, DIM, HIDDEN, HIDDEN] * n
-    assert log.attention == n
+    assert log.attention == 0
 
 
 def test_no_ac_recomputes_nothing():
@@ -152,14 +154,16 @@ def test_policy_saves_collectives_and_counts_forward_and_recompute_apart():
     for op in (
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
         torch.ops._c10d_functional.all_reduce.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
         torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default,
+        torch.ops._c10d_functional_autograd.all_gather_into_tensor.default,
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
     ):
         assert policy(fwd, op) == CheckpointPolicy.MUST_SAVE, op
     assert policy(fwd, aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert policy(fwd, torch.ops._c10d_functional.all_gather_into_tensor.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert policy(fwd, aten.native_layer_norm.default) == CheckpointPolicy.PREFER_RECOMPUTE
     forward = [policy(fwd, op) for op in (aten.mm.default, aten.bmm.default, aten.addmm.default)]
     recompute = [policy(rec, op) for op in (aten.mm.default, aten.bmm.default, aten.addmm.default)]
     expected = [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE]
