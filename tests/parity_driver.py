@@ -35,12 +35,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for index, run in enumerate(runs):
-        cfg = load_config(base + run + ["--job.dump_folder", os.path.join(os.path.dirname(out_path), f"run{index}")])
+        cfg = load_config(base + run + ["--job.dump_folder", f"{out_path}.run{index}"])
         tokenizer, model_args, dims = prepare(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
         trainer = Trainer(cfg, tokenizer=tokenizer, model_args=model_args, dims=dims, device=torch.device("cpu"))
         trainer.train()
         trainer.close()
+        # Each run is a separate training job: drop compiled code that captured the previous
+        # run's process groups and meshes.
+        torch._dynamo.reset()
         if dist.get_rank() == 0:
             with open(os.path.join(cfg.job.dump_folder, "metrics.jsonl")) as f:
                 results[" ".join(run)] = [json.loads(line) for line in f]
