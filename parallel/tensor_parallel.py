@@ -10,6 +10,8 @@ reduce-scatter (sequence parallel) or all-reduce that Dynamo traces as a functio
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,7 +66,7 @@ class VocabParallel:
         return VocabParallelEmbedding(module, tp_mesh, self.output_layout, self.use_local_output)
 
 
-TPPlan = dict[str, "ParallelStyle | VocabParallel"]
+TPPlan = dict[str, Union[ParallelStyle, VocabParallel]]
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:

@@ -10,7 +10,6 @@ one job, and compiled code must not outlive the process groups of an earlier job
 process.
 """
 
-import pytest
 
 from tests.test_parallel_parity import BASE, launch
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.llama3.args import FLAVORS, flavor_args, padded_vocab_size
+from models.llama3.args import flavor_args, padded_vocab_size
 from models.llama3.model import Transformer, apply_rope, rope_table
 
 LLAMA3_VOCAB = 128256

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import os
-import time
+import signal
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,12 @@ from parallel.compile import compile_loss
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
 from parallel.mesh import ParallelDims
-from trainer.build import build_model, parallel_flags
+from trainer.build import DTYPES, build_model, parallel_flags
 from trainer.checkpoint import CheckpointManager
 from trainer.compile_health import CompileHealth
 from trainer.config import JobConfig, to_toml
 from trainer.data import build_dataloader
+from trainer.export import export_hf
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
@@ -85,9 +87,11 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, config_toml=to_toml(cfg),
-            model_fingerprint={"model": cfg.model.name, "flavor": cfg.model.flavor, "args": repr(model_args)},
+            model_fingerprint=dataclasses.asdict(model_args),
         )
-        self.preemption = PreemptionHandler()
+        self.model_args = model_args
+        signals = (signal.SIGTERM, signal.SIGUSR1) if cfg.checkpoint.save_on_sigusr1 else (signal.SIGTERM,)
+        self.preemption = PreemptionHandler(signals)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.flags.loss_parallel else contextlib.nullcontext()
@@ -180,8 +184,14 @@ class Trainer:
                     log0(f"preemption signal received: saved step {self.step}, exiting")
                     break
         self.checkpointer.wait()
+        if cfg.checkpoint.export_hf and self.step == cfg.training.steps:
+            out = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, "hf")
+            export_hf(self.model, self.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
+                      vocab_size=self.tokenizer.n_words)
+            log0(f"exported Hugging Face Llama weights to {out}")
 
     def close(self) -> None:
+        self.preemption.close()
         self.checkpointer.close()
         if self.compile_health is not None:
             self.compile_health.write_report()
