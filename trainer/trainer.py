@@ -116,10 +116,15 @@ class Trainer:
         dist.all_reduce(value, group=self.mesh["dp"].get_group())
         return value.item() / self.dims.dp
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Held-out loss over `validation.steps` global batches; the model stays in train mode
-        (Llama has no dropout) so compiled regions are not re-specialized on `training`."""
+        """Held-out loss over `validation.steps` global batches.
+
+        Runs the very forward that training runs: train mode (Llama has no dropout) and grad
+        mode on, with the loss detached so each batch's graph is freed at once. Compiled
+        regions guard on both flags, so `eval()` or `no_grad()` here would compile a second
+        version of every region on the first validation, which is what users see as
+        "recompiles"; this costs forward activations of one micro-batch, as training does.
+        """
         total = torch.zeros((), device=self.device)
         count = 0
         for _ in range(self.cfg.validation.steps):
@@ -130,14 +135,6 @@ class Trainer:
                 count += 1
         loss = self._dp_mean(total / count)
         return {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
-
-    def _validate_allowing_recompile(self) -> dict[str, float]:
-        """Validation runs without grad, which compiled regions specialize on: that one
-        recompile is expected and must not count against the recompile budget."""
-        if self.compile_health is None:
-            return self.validate()
-        with self.compile_health.allow_recompiles("validation"):
-            return self.validate()
 
     def train(self) -> None:
         cfg = self.cfg
@@ -175,7 +172,7 @@ class Trainer:
                                      tokens=tokens_since_log)
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
-                    self.metrics.log_scalars(self.step, self._validate_allowing_recompile())
+                    self.metrics.log_scalars(self.step, self.validate())
                 stop = self.preemption.should_stop()
                 self.checkpointer.maybe_save(self.step, last=last or stop)
                 profiler.step()
