@@ -15,6 +15,9 @@ CONFIG_FILE=${CONFIG_FILE:-train_configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-0}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+# Check the config for this world size first, so a mistake is one line instead of one per
+# rank plus torchrun's failure report.
+WEFT_CHECK_CONFIG_ONLY=1 WORLD_SIZE="$NGPU" RANK=0 "$PYTHON" train.py --job.config_file "$CONFIG_FILE" "$@"
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d \
   --rdzv_endpoint="localhost:0" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
   train.py --job.config_file "$CONFIG_FILE" "$@"

@@ -58,3 +58,12 @@ def test_train_py_reports_mesh_error_once_with_exit_2():
     quiet = subprocess.run([sys.executable, "train.py", *TINY, "--parallelism.tensor_parallel_degree", "3"],
                            cwd=ROOT, capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=120)
     assert quiet.returncode == 2 and quiet.stderr.strip() == ""  # only rank 0 speaks
+
+
+def test_run_train_sh_checks_config_before_launching():
+    env = {**os.environ, "NGPU": "4", "PYTHON": sys.executable}
+    proc = subprocess.run(["./run_train.sh", "--parallelism.tensor_parallel_degree", "3"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "tensor_parallel_degree=3" in lines[0]
