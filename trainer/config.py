@@ -220,25 +220,14 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         if from_cli and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
             return value.lower() in _TRUE
         raise bad
-    if base is int:
+    if base in (int, float):
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, int):
-            return value
+        if isinstance(value, int) or (base is float and isinstance(value, float)):
+            return base(value)
         if from_cli:
             try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if base is float:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli:
-            try:
-                return float(value)
+                return base(value)
             except ValueError:
                 raise bad from None
         raise bad
