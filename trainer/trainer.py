@@ -73,9 +73,9 @@ class Trainer:
                 dump_folder=cfg.job.dump_folder, split="validation",
                 dataset_path=cfg.validation.dataset_path or None,
             )
-        loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words)  # noqa: E731
-        use_compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
-        self.loss_fn = compile_loss(loss_fn, cfg.compile) if use_compiled_loss else loss_fn
+        self.loss_fn = compile_loss(
+            lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words), cfg.compile
+        )
 
         self.step = 0
         self.compile_health = CompileHealth(cfg.compile, dump_folder=cfg.job.dump_folder, rank=self.rank) if cfg.compile.enable else None
