@@ -6,19 +6,27 @@ leak into checkpoints. Shapes are static (`dynamic=False`): the data loader neve
 partial batch, so a shape change is a bug worth a visible recompile rather than a silently
 symbolic graph.
 
-Order of application: tensor parallel, activation checkpointing, then `apply_compile`, then
-FSDP. See docs/compile_and_ac.md for why, and for what the "model" strategy does under FSDP2.
+Order of application: tensor parallel, activation checkpointing, then `apply_compile` with
+"blocks", then FSDP, then `apply_compile` with "model" (trainer/build.py). See
+docs/compile_and_ac.md for why, and for what the "model" strategy does under FSDP2.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from trainer.config import Compile
+
+class Compile(Protocol):
+    """The `[compile]` settings this module reads (trainer.config.Compile has them)."""
+
+    enable: bool
+    strategy: str
+    backend: str
+    components: list
+    recompile_limit: int
 
 STRATEGIES = ("blocks", "model")
 

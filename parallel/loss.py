@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -17,6 +17,8 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: 
     """
     vocab = logits.shape[-1]
     if isinstance(logits, DTensor):
+        if logits.placements != (Shard(logits.ndim - 1),) and logits.placements != (Shard(-1),):
+            raise ValueError(f"loss parallel expects logits sharded on the vocab dim, got {logits.placements}")
         if num_classes < vocab:
             local = logits.to_local()
             mesh = logits.device_mesh

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -36,7 +37,8 @@ def run_variant(name: str, overrides: list[str], shared: list[str], nproc: int, 
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--local-ranks-filter=0", "train.py",
            *shared, *overrides, "--job.dump_folder", dump, "--metrics.log_freq", "1"]
     start = time.time()
-    os.makedirs(dump, exist_ok=True)
+    shutil.rmtree(dump, ignore_errors=True)  # metrics.jsonl appends; a rerun must not mix in old steps
+    os.makedirs(dump)
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     wall = time.time() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import types
@@ -167,7 +168,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
-    "training.mixed_precision_param": ("auto", "float32", "bfloat16", "float16"),
+    "training.mixed_precision_param": ("auto", "float32", "bfloat16"),  # fp16 would need loss scaling
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "training.device": ("auto", "cuda", "cpu"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
@@ -372,6 +373,8 @@ def _check_values(cfg: JobConfig) -> None:
         "validation.freq": cfg.validation.freq,
         "validation.steps": cfg.validation.steps,
         "profiling.profile_freq": cfg.profiling.profile_freq,
+        "training.gc_freq": t.gc_freq,
+        "compile.recompile_limit": cfg.compile.recompile_limit,
         "parallelism.tensor_parallel_degree": cfg.parallelism.tensor_parallel_degree,
     }
     for key, value in positive.items():
@@ -382,6 +385,13 @@ def _check_values(cfg: JobConfig) -> None:
     dp = cfg.parallelism.data_parallel_shard_degree
     if dp != -1 and dp < 1:
         raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (auto) or >= 1, got {dp}.")
+    o = cfg.optimizer
+    if o.lr < 0 or o.eps < 0 or o.weight_decay < 0:
+        raise ConfigError("optimizer.lr, optimizer.eps and optimizer.weight_decay must be >= 0.")
+    if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
+        raise ConfigError(f"optimizer.beta1 and optimizer.beta2 must be in [0, 1); got {o.beta1}, {o.beta2}.")
+    if cfg.compile.warmup_steps < 0:
+        raise ConfigError("compile.warmup_steps must be >= 0.")
     if cfg.lr_scheduler.warmup_steps < 0:
         raise ConfigError("lr_scheduler.warmup_steps must be >= 0.")
     ratio = cfg.lr_scheduler.decay_ratio
@@ -419,8 +429,7 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    return json.dumps(str(value))  # JSON string escapes are valid TOML basic-string escapes
 
 
 def help_text() -> str:

@@ -12,6 +12,7 @@ one (e.g. Weights & Biases) means writing one such class and appending it in
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import sys
@@ -33,6 +34,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("A100", 312e12),
     ("A10G", 125e12),
     ("L40S", 362e12),
+    ("L40", 181e12),
     ("L4", 121e12),
     ("MI300X", 1307e12),
 )
@@ -44,7 +46,7 @@ def peak_flops_for_name(device_name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a device by its name, or None when it is not in the table."""
     lowered = device_name.lower()
     for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in lowered:
+        if re.search(rf"\b{re.escape(key.lower())}\b", lowered):  # "L4" must not match "L40"
             return flops
     return None
 

@@ -40,7 +40,7 @@ def maybe_profile(cfg: Profiling, *, dump_folder: str, rank: int, start_step: in
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     wait = max(freq - 2, 0) if freq > 1 else 0
-    schedule = torch.profiler.schedule(wait=wait, warmup=1 if freq > 1 else 0, active=1, skip_first=start_step % freq)
+    schedule = torch.profiler.schedule(wait=wait, warmup=1 if freq > 1 else 0, active=1, skip_first=(-start_step) % freq)
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready) as prof:
         class _Stepper:
             def step(self) -> None:

@@ -125,6 +125,7 @@ class Trainer:
         version of every region on the first validation, which is what users see as
         "recompiles"; this costs forward activations of one micro-batch, as training does.
         """
+        self.val_loader.reset()
         total = torch.zeros((), device=self.device)
         count = 0
         for _ in range(self.cfg.validation.steps):
@@ -132,6 +133,7 @@ class Trainer:
                 with self._loss_context():
                     loss = self.loss_fn(self.model(inputs), labels)
                 total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+                del loss  # free this batch's graph before the next forward
                 count += 1
         loss = self._dp_mean(total / count)
         return {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
@@ -174,7 +176,10 @@ class Trainer:
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
                     self.metrics.log_scalars(self.step, self.validate())
                 stop = self.preemption.should_stop()
-                self.checkpointer.maybe_save(self.step, last=last or stop)
+                if stop and not last and cfg.checkpoint.enable:
+                    self.checkpointer.save(self.step)  # full state, even with model_only_final
+                else:
+                    self.checkpointer.maybe_save(self.step, last=last)
                 profiler.step()
                 snapshot.step()
                 if stop:
@@ -188,6 +193,7 @@ class Trainer:
             log0(f"exported Hugging Face Llama weights to {out}")
 
     def close(self) -> None:
+        gc.enable()
         self.preemption.close()
         self.checkpointer.close()
         if self.compile_health is not None:
