@@ -136,6 +136,13 @@ def main(argv: list[str]) -> int:
     except (NonFiniteLossError, RecompileBudgetExceeded) as e:
         _print0(f"weft: {e}", err=True)
         return 1
+    except BaseException:
+        # Possibly raised on this rank alone: a collective in close() would hang the job
+        # instead of letting it fail.
+        if trainer is not None:
+            trainer.close_local()
+            trainer = None
+        raise
     finally:
         if trainer is not None:
             trainer.close()

@@ -165,9 +165,7 @@ class Trainer:
                         f"grad_norm={grad_norm.item()}); stopping without saving this state."
                     )
                 if self.compile_health is not None:
-                    if self.step == cfg.compile.warmup_steps:
-                        self.compile_health.end_warmup()
-                    self.compile_health.check(self.step)
+                    self.compile_health.check(self.step)  # ends the warm-up itself
                 last = self.step == cfg.training.steps
                 if self.metrics.should_log(self.step) or last:
                     self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
@@ -191,6 +189,12 @@ class Trainer:
             export_hf(self.model, self.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
                       vocab_size=self.tokenizer.n_words)
             log0(f"exported Hugging Face Llama weights to {out}")
+
+    def close_local(self) -> None:
+        """Cleanup without collectives, for an error that may have hit this rank alone."""
+        gc.enable()
+        self.preemption.close()
+        self.metrics.close()
 
     def close(self) -> None:
         gc.enable()
