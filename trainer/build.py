@@ -70,8 +70,8 @@ def build_model(
             apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(flags.sequence_parallel))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
-    compile_model = cfg.compile.enable and "model" in cfg.compile.components
-    if compile_model and cfg.compile.strategy == "blocks":
+    # apply_compile is a no-op unless [compile] enables it with "model" in components.
+    if cfg.compile.strategy == "blocks":
         apply_compile(model, blocks, cfg.compile)
     apply_fsdp(
         model,
@@ -81,7 +81,7 @@ def build_model(
         reduce_dtype=flags.reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
     )
-    if compile_model and cfg.compile.strategy == "model":
+    if cfg.compile.strategy == "model":
         apply_compile(model, blocks, cfg.compile)
     model.to_empty(device=device)
     torch.manual_seed(cfg.training.seed)
