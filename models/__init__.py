@@ -12,6 +12,7 @@ from torch import nn
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
+    vocab_size: Callable[[int, int], int]  # (tokenizer size, requested or 0) -> embedding rows
     build_args: Callable[..., Any]  # (flavor, vocab_size=, max_seq_len=) -> args
     model_cls: Callable[[Any], nn.Module]
     root_tp_plan: Callable[[bool, bool], dict]  # (sequence_parallel, loss_parallel) -> plan

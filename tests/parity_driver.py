@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from trainer.config import load_config  # noqa: E402
-from trainer.main import prepare  # noqa: E402
+from trainer.run import resolve_run  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 
@@ -36,9 +36,9 @@ def main() -> None:
     results = {}
     for index, run in enumerate(runs):
         cfg = load_config(base + run + ["--job.dump_folder", f"{out_path}.run{index}"])
-        tokenizer, model_args, dims = prepare(cfg, dist.get_world_size())
+        run = resolve_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
-        trainer = Trainer(cfg, tokenizer=tokenizer, model_args=model_args, dims=dims, device=torch.device("cpu"))
+        trainer = Trainer(run)
         trainer.train()
         trainer.close()
         # Each run is a separate training job: drop compiled code that captured the previous

@@ -261,7 +261,8 @@ def test_fingerprint_mismatch_and_corruption_leave_folder_unchanged(tmp_path):
     with pytest.raises(CheckpointError, match=r"different model: \d+ param shapes differ \(e.g. layers"):
         mgr2.load()
     assert tree_digest(folder) == before
-    assert isinstance(CheckpointError("x"), ConfigError)  # train.py reports it like a config mistake
+    assert not isinstance(CheckpointError("x"), ConfigError)  # reported as a checkpoint error, exit code 2
+    assert CheckpointError.exit_code == 2
 
     shard = next(f for f in os.listdir(os.path.join(folder, "step-1")) if f.endswith(".distcp"))
     path = os.path.join(folder, "step-1", shard)

@@ -120,12 +120,12 @@ def test_jsonl_and_tensorboard_records(tmp_path, clock):
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    loss = events.Scalars("loss")
+    loss = events.Scalars("loss/loss")
     assert [e.step for e in loss] == [2, 4, 5]
     assert [e.value for e in loss] == pytest.approx([5.0, 2.5, 2.0])
-    assert [e.value for e in events.Scalars("mfu")] == pytest.approx([r["mfu"] for r in records])
+    assert [e.value for e in events.Scalars("throughput/mfu")] == pytest.approx([r["mfu"] for r in records])
     assert events.Scalars("validation/loss")[0].value == pytest.approx(2.5)
-    assert "memory_pct" not in events.Tags()["scalars"]  # None values are skipped
+    assert "memory/memory_pct" not in events.Tags()["scalars"]  # None values are skipped
 
 
 def test_extra_scalars_join_the_record(tmp_path, clock):

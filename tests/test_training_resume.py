@@ -77,18 +77,18 @@ def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
     saved = sorted(int(d.split("-")[1]) for d in os.listdir(dump / "checkpoint") if not d.endswith(".tmp"))
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert saved and saved[-1] >= 3 and saved[-1] >= last_logged
-    assert "preemption signal received" in out
+    assert "preemption requested (SIGTERM)" in out
 
 
 def _nan_at_step(rank, world_size, dump, corpus, bad_step):
     from trainer.config import load_config
-    from trainer.main import prepare
-    from trainer.trainer import NonFiniteLossError, Trainer
+    from trainer.errors import NonFiniteError
+    from trainer.run import resolve_run
+    from trainer.trainer import Trainer
 
     cfg = load_config(RESUME + ["--training.dataset_path", corpus, "--training.steps", "6",
                                 "--checkpoint.interval", "1", "--job.dump_folder", dump])
-    tokenizer, args, dims = prepare(cfg, world_size)
-    trainer = Trainer(cfg, tokenizer=tokenizer, model_args=args, dims=dims, device=torch.device("cpu"))
+    trainer = Trainer(resolve_run(cfg, world_size))
     clean_loss = trainer.loss_fn
 
     def poisoned(logits, labels):
@@ -96,7 +96,7 @@ def _nan_at_step(rank, world_size, dump, corpus, bad_step):
         return loss * float("nan") if trainer.step == bad_step else loss
 
     trainer.loss_fn = poisoned
-    with pytest.raises(NonFiniteLossError, match=f"step {bad_step}"):
+    with pytest.raises(NonFiniteError, match=f"step {bad_step}"):
         trainer.train()
     trainer.close()
 

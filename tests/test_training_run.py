@@ -27,8 +27,10 @@ def test_single_process_run_logs_everywhere(tmp_path, corpus):
     (event_dir,) = {os.path.dirname(p) for p in map(str, (dump / "tb").rglob("events.*"))}
     acc = EventAccumulator(event_dir)
     acc.Reload()
-    for tag in ("loss", "grad_norm", "lr", "tps", "tflops", "step_time_s"):
+    for tag in ("loss/loss", "loss/grad_norm", "loss/lr", "throughput/tps", "throughput/tflops",
+                "throughput/step_time_s", "memory/memory_max_active_gib"):
         assert tag in acc.Tags()["scalars"], tag
         assert len(acc.Scalars(tag)) == 5
+    assert "config/text_summary" in acc.Tags()["tensors"]  # the resolved config as a text entry
     assert (dump / "config.toml").exists()
     assert (dump / "profile_traces" / "iteration_4" / "rank0_trace.json").exists()

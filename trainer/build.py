@@ -10,64 +10,28 @@ goes last so the graph covers the FSDP-wrapped model as it will run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from models import ModelSpec
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compile import apply_compile
 from parallel.fsdp import apply_fsdp
 from parallel.init import sharded_init_normal_
-from parallel.mesh import ParallelDims
 from parallel.tensor_parallel import apply_tensor_parallel
-from trainer.config import JobConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from trainer.run import ResolvedRun
 
 
-@dataclass(frozen=True)
-class ParallelFlags:
-    """The parallel features in effect after defaults and degrees are taken into account."""
-
-    sequence_parallel: bool
-    loss_parallel: bool
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-
-
-def parallel_flags(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> ParallelFlags:
-    p = cfg.parallelism
-    param = cfg.training.mixed_precision_param
-    if param == "auto":
-        param = "bfloat16" if device.type == "cuda" else "float32"
-    return ParallelFlags(
-        sequence_parallel=dims.tp > 1 and p.enable_sequence_parallel,
-        loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
-        param_dtype=DTYPES[param],
-        reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
-    )
-
-
-def build_model(
-    cfg: JobConfig,
-    spec: ModelSpec,
-    model_args: object,
-    mesh: DeviceMesh,
-    dims: ParallelDims,
-    flags: ParallelFlags,
-    device: torch.device,
-) -> nn.Module:
+def build_model(run: ResolvedRun, mesh: DeviceMesh) -> nn.Module:
     """Return the parallelized, initialized model (seeded by training.seed, mesh-independent)."""
+    cfg, spec = run.cfg, run.spec
     with torch.device("meta"):
-        model = spec.model_cls(model_args)
+        model = spec.model_cls(run.model_args)
     blocks = spec.blocks(model)
-    if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(flags.sequence_parallel, flags.loss_parallel))
+    if run.dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))
         for block in blocks.values():
-            apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(flags.sequence_parallel))
+            apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(run.sequence_parallel))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
@@ -77,13 +41,13 @@ def build_model(
         model,
         spec.fsdp_units(model),
         mesh["dp"],
-        param_dtype=flags.param_dtype,
-        reduce_dtype=flags.reduce_dtype,
+        param_dtype=run.param_dtype,
+        reduce_dtype=run.reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
     )
     if cfg.compile.strategy == "model":
         apply_compile(model, blocks, cfg.compile)
-    model.to_empty(device=device)
+    model.to_empty(device=run.device)
     torch.manual_seed(cfg.training.seed)
-    model.init_weights(sharded_init_normal_, buffer_device=device)
+    model.init_weights(sharded_init_normal_, buffer_device=run.device)
     return model

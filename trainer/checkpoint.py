@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.config import ConfigError
+from trainer.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ CONFIG_TOML = "config.toml"
 
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^step-\d+\.(tmp|old)$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint this run cannot use (other model, corrupt, missing step); the message says which."""
 
 
 def step_dir(folder: str, step: int) -> str:
@@ -79,6 +75,21 @@ def complete_steps(folder: str) -> list[int]:
         if m and os.path.isdir(os.path.join(folder, name)):
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def read_trainer_state(path: str) -> dict:
+    """The small trainer state of checkpoint folder `path` (step, schedule, data position)."""
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("not a trainer state dict")
+        return state
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint file {file} is missing or corrupt ({type(e).__name__}: {e}). "
+            "Set checkpoint.load_step to another complete step, or move that folder away."
+        ) from e
 
 
 def param_shapes(state_dict: dict[str, Any]) -> dict[str, list[int]]:
@@ -193,6 +204,10 @@ class CheckpointManager:
         self._pending: _Pending | None = None
 
     # ---------------------------------------------------------------- save
+
+    def wants_save(self, step: int, *, last: bool = False) -> bool:
+        """Whether `maybe_save(step, last=last)` would write a checkpoint."""
+        return self.enable and (last or step % self.cfg.interval == 0)
 
     def maybe_save(self, step: int, *, last: bool = False) -> None:
         """Save every `interval` steps and at the last step (which also waits for the write)."""
@@ -326,7 +341,7 @@ class CheckpointManager:
                 logger.info(f"no checkpoint in {self.folder}; starting from step 0")
             return 0
 
-        trainer_state = self._read_trainer_state(path)
+        trainer_state = read_trainer_state(path)
         model_sd = get_model_state_dict(self.model)
         self._check_fingerprint(path, model_sd)
         model_only = trainer_state["model_only"]
@@ -378,19 +393,6 @@ class CheckpointManager:
         if isinstance(choice[0], str):
             raise CheckpointError(choice[0])
         return None if choice[0] is None else step_dir(self.folder, choice[0])
-
-    def _read_trainer_state(self, path: str) -> dict:
-        file = os.path.join(path, TRAINER_STATE)
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict) or "step" not in state:
-                raise ValueError("not a trainer state dict")
-            return state
-        except Exception as e:
-            raise CheckpointError(
-                f"checkpoint file {file} is missing or corrupt ({type(e).__name__}: {e}). "
-                "Set checkpoint.load_step to another complete step, or move that folder away."
-            ) from e
 
     def _check_fingerprint(self, path: str, model_sd: dict) -> None:
         file = os.path.join(path, FINGERPRINT)

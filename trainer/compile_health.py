@@ -30,6 +30,7 @@ The stance switch uses the public `torch.compiler.set_stance` (torch >= 2.6).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -39,12 +40,17 @@ from typing import Any, Iterator
 import torch
 import torch._dynamo  # noqa: F401  (registers the loggers and counters read below)
 
+from trainer.errors import TrainingStopped
+from trainer.jsonl import JsonlWriter
+
+EVENTS_FILE = "compile_events.jsonl"
+
 logger = logging.getLogger(__name__)
 
 _GRAPH_BREAK_ARTIFACT = "graph_breaks"
 
 
-class RecompileBudgetExceeded(RuntimeError):
+class RecompileBudgetExceeded(TrainingStopped):
     """More recompiles after warm-up than `compile.max_recompiles_after_warmup` allows."""
 
 
@@ -163,7 +169,17 @@ class CompileHealth:
     counts so that `check` raises on every rank; only rank 0 logs and writes the report.
     """
 
-    def __init__(self, compile_cfg: Any, *, dump_folder: str, rank: int) -> None:
+    def __init__(self, compile_cfg: Any, *, dump_folder: str, rank: int, start_step: int = 0) -> None:
+        """`start_step`: the step the run resumes from (0 fresh). Events are also appended to
+        `<dump_folder>/compile_events.jsonl`; the ones an earlier process of this run recorded
+        up to `start_step` are kept and reported, later ones (steps the resumed run repeats) go."""
+        self.start_step = start_step
+        self._events_file: JsonlWriter | None = None
+        self.earlier_events: list[CompileEvent] = []
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            self._events_file = JsonlWriter(os.path.join(dump_folder, EVENTS_FILE), start_step)
+            self.earlier_events = [CompileEvent(**r) for r in self._events_file.previous]
         self.warmup_steps = compile_cfg.warmup_steps
         self.max_recompiles_after_warmup = compile_cfg.max_recompiles_after_warmup
         self.fail_on_recompile = compile_cfg.fail_on_recompile
@@ -275,6 +291,8 @@ class CompileHealth:
 
     def _add(self, event: CompileEvent) -> None:
         self.events.append(event)
+        if self._events_file is not None:
+            self._events_file.write(dataclasses.asdict(event))
         label = "recompile" if event.kind == "recompile" else "graph break"
         note = " after warm-up" if event.after_warmup else ""
         if event.allowed:
@@ -371,8 +389,14 @@ class CompileHealth:
             f"in the first compiling step (step {self._first_compile_step})",
             "",
         ]
+        if self.earlier_events:
+            lines.append(
+                f"This process resumed the run at step {self.start_step}; the counts above are its own. "
+                f"Events recorded by earlier processes up to step {self.start_step} are listed first."
+            )
+            lines.append("")
         for kind, title in (("recompile", "Recompiles"), ("graph_break", "Graph breaks")):
-            events = [e for e in self.events if e.kind == kind]
+            events = [e for e in self.earlier_events + self.events if e.kind == kind]
             lines.append(f"== {title} ({len(events)} distinct) ==")
             for e in events:
                 flags = " after warm-up" if e.after_warmup else ""
@@ -387,7 +411,10 @@ class CompileHealth:
         return path
 
     def close(self) -> None:
-        """Detach from Dynamo's loggers and lift the fail_on_recompile stance."""
+        """Detach from Dynamo's loggers, lift the fail_on_recompile stance, close the events file."""
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
         for lg, level, propagate in self._logger_state:
             lg.removeHandler(self._handler)
             lg.setLevel(level)

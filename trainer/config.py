@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 import types
@@ -18,14 +19,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
+from trainer.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration mistake the user can fix; the message says how."""
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Job:
     config_file: str = ""  # TOML file to load before command-line overrides
     dump_folder: str = "./outputs"  # root folder for logs, TensorBoard, checkpoints
     description: str = "weft training run"  # free text, printed at start
+    log_level: str = "info"  # console log level of rank 0 (debug | info | warning); env WEFT_LOG_LEVEL wins
 
 
 @dataclass
@@ -109,7 +111,7 @@ class ActivationCheckpoint:
 @dataclass
 class Checkpoint:
     enable: bool = False  # save and resume checkpoints
-    folder: str = "checkpoint"  # under dump_folder
+    folder: str = "checkpoint"  # relative: under dump_folder (no '..'); absolute: anywhere
     interval: int = 500  # save every N steps
     keep_latest_k: int = 10  # keep the newest k complete checkpoints (0 = all)
     load_step: int = -1  # -1 = latest complete checkpoint
@@ -117,6 +119,7 @@ class Checkpoint:
     model_only_final: bool = False  # last checkpoint holds model weights only
     export_dtype: str = "float32"  # dtype of the exported final model
     save_on_sigusr1: bool = False  # treat SIGUSR1 like SIGTERM: finish the step, save, exit 0
+    preemption_check_freq: int = 5  # ranks agree on a preemption signal every N steps (a CPU all-reduce, no device sync)
     export_hf: bool = False  # at the end, write <folder>/hf/model.safetensors + config.json (HF Llama)
 
 
@@ -124,7 +127,7 @@ class Checkpoint:
 class Metrics:
     log_freq: int = 10  # log every N steps
     enable_tensorboard: bool = True  # write TensorBoard events
-    save_tb_folder: str = "tb"  # under dump_folder
+    save_tb_folder: str = "tb"  # relative: under dump_folder (no '..'); absolute: anywhere
     enable_jsonl: bool = True  # write metrics.jsonl under dump_folder
 
 
@@ -140,9 +143,9 @@ class Validation:
 class Profiling:
     enable_profiling: bool = False  # torch.profiler traces
     profile_freq: int = 100  # trace one step every N steps
-    save_traces_folder: str = "profile_traces"  # under dump_folder
+    save_traces_folder: str = "profile_traces"  # relative: under dump_folder (no '..'); absolute: anywhere
     enable_memory_snapshot: bool = False  # CUDA memory snapshot
-    save_memory_snapshot_folder: str = "memory_snapshot"  # under dump_folder
+    save_memory_snapshot_folder: str = "memory_snapshot"  # relative: under dump_folder (no '..'); absolute: anywhere
 
 
 @dataclass
@@ -164,7 +167,10 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 CHOICES: dict[str, tuple[str, ...]] = {
+    "job.log_level": ("debug", "info", "warning"),
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
@@ -177,6 +183,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
 }
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _key_types(section_cls: type) -> dict[str, Any]:
@@ -376,6 +385,7 @@ def _check_values(cfg: JobConfig) -> None:
         "training.gc_freq": t.gc_freq,
         "compile.recompile_limit": cfg.compile.recompile_limit,
         "parallelism.tensor_parallel_degree": cfg.parallelism.tensor_parallel_degree,
+        "checkpoint.preemption_check_freq": cfg.checkpoint.preemption_check_freq,
     }
     for key, value in positive.items():
         if value < 1:
@@ -386,8 +396,15 @@ def _check_values(cfg: JobConfig) -> None:
     if dp != -1 and dp < 1:
         raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (auto) or >= 1, got {dp}.")
     o = cfg.optimizer
-    if o.lr < 0 or o.eps < 0 or o.weight_decay < 0:
-        raise ConfigError("optimizer.lr, optimizer.eps and optimizer.weight_decay must be >= 0.")
+    for key, value in (("optimizer.lr", o.lr), ("optimizer.eps", o.eps), ("optimizer.weight_decay", o.weight_decay)):
+        if not (math.isfinite(value) and 0 <= value <= _FLOAT32_MAX):
+            raise ConfigError(
+                f"config key '{key}' must be a finite number in [0, {_FLOAT32_MAX:.3g}] (the float32 range "
+                f"the optimizer computes in); got {value}."
+            )
+    max_norm = t.max_norm
+    if not (math.isfinite(max_norm) and max_norm >= 0):
+        raise ConfigError(f"training.max_norm must be >= 0 (0 turns clipping off) and finite; got {max_norm}.")
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(f"optimizer.beta1 and optimizer.beta2 must be in [0, 1); got {o.beta1}, {o.beta2}.")
     if cfg.compile.warmup_steps < 0:
@@ -407,6 +424,19 @@ def _check_values(cfg: JobConfig) -> None:
     unknown = set(cfg.compile.components) - {"model", "loss"}
     if unknown:
         raise ConfigError(f"compile.components accepts model and loss; got {sorted(unknown)}.")
+    if cfg.compile.enable:
+        _check_compile_backend(cfg.compile.backend)
+
+
+def _check_compile_backend(backend: str) -> None:
+    import torch._dynamo  # imported here: it takes a second and only compiled runs need it
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"compile.backend '{backend}' is not a torch.compile backend.{_suggest(backend, known)} "
+            f"Use inductor (default), aot_eager or eager."
+        )
 
 
 def to_toml(cfg: JobConfig) -> str:

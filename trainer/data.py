@@ -397,6 +397,7 @@ def build_dataloader(
     dp_degree: int,
     device: torch.device | str,
     dump_folder: str,
+    global_batch_size: int,
     split: str = "train",
     dataset_path: str | None = None,
 ) -> TokenDataLoader:
@@ -409,8 +410,7 @@ def build_dataloader(
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     t = training_cfg
-    global_bs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
-    check_batch_sizes(global_bs, t.local_batch_size, dp_degree)
+    global_bs = global_batch_size
     if dataset_path:
         key = "validation.dataset_path" if split == "validation" else "training.dataset_path"
         source, held_out = dataset_path, False

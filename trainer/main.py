@@ -1,67 +1,78 @@
-"""Entry point: parse and check the config before any process-group work, then train.
+"""Entry point: parse, check and resolve before any process-group work, then train.
 
-Every user mistake found here is printed once (rank 0) as one line, and the process exits
-with code 2; a non-finite loss exits with 1; success with 0.
+Every user-facing error (`trainer/errors.py`) is printed once, by rank 0, as one line, and
+ends the process with its exit code: 2 for a mistake to fix before running again, 1 for a
+run that had to stop; 0 on success. This is the one place that maps errors to exit codes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-from models import MODEL_NAMES, get_model_spec
-from models.llama3.args import padded_vocab_size
-from parallel.mesh import ParallelConfigError, ParallelDims
-from trainer.config import ConfigError, JobConfig, help_text, load_config, to_toml
-from trainer.tokenizer import build_tokenizer
+from trainer.config import help_text, load_config
+from trainer.dump_lock import DumpFolderLock
+from trainer.errors import TrainingStopped, WeftError
+from trainer.run import ResolvedRun, resolve_run
 
-EXIT_CONFIG_ERROR = 2
+LOG_LEVEL_ENV = "WEFT_LOG_LEVEL"
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _print0(msg: str, *, err: bool = False) -> None:
+class _Formatter(logging.Formatter):
+    """`[weft] 12:34:56 message`, with the level named when it is not INFO and the rank when not 0."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.tag = "[weft]" if rank == 0 else f"[weft rank{rank}]"
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = time.strftime("%H:%M:%S", time.localtime(record.created))
+        level = "" if record.levelno == logging.INFO else f"{record.levelname} "
+        text = f"{self.tag} {when} {level}{record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is at the time of the record (test harnesses swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def setup_logging(rank: int, level: str = "info") -> None:
+    """Rank 0 logs at `level` (env WEFT_LOG_LEVEL wins), every other rank at WARNING, so that a
+    run on 512 ranks prints each message once and still shows a problem of any one rank."""
+    chosen = os.environ.get(LOG_LEVEL_ENV, level).upper() if rank == 0 else "WARNING"
+    handler = _StdoutHandler()
+    handler.setFormatter(_Formatter(rank))
+    for name in ("trainer", "parallel", "models", "__main__"):
+        lg = logging.getLogger(name)
+        lg.handlers = [handler]
+        lg.setLevel(getattr(logging, chosen, logging.INFO))
+        lg.propagate = False
+
+
+def _report(error: WeftError) -> int:
     if _rank() == 0:
-        print(msg, file=sys.stderr if err else sys.stdout, flush=True)
-
-
-def prepare(cfg: JobConfig, world_size: int):
-    """Everything that can be checked without a process group; returns (tokenizer, model args, dims)."""
-    if cfg.model.name not in MODEL_NAMES:
-        raise ConfigError(f"model.name '{cfg.model.name}' is unknown; available: {', '.join(MODEL_NAMES)}.")
-    spec = get_model_spec(cfg.model.name)
-    if cfg.model.flavor not in spec.flavors:
-        raise ConfigError(
-            f"model.flavor '{cfg.model.flavor}' is unknown for {cfg.model.name}; available: {', '.join(spec.flavors)}."
-        )
-    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    try:
-        vocab_size = padded_vocab_size(tokenizer.n_words, cfg.model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(f"{e}; raise model.vocab_size or set it to 0 (automatic).") from None
-    t, p = cfg.training, cfg.parallelism
-    model_args = spec.build_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=t.seq_len)
-    dims = ParallelDims.resolve(world_size, p.data_parallel_shard_degree, p.tensor_parallel_degree)
-    if dims.tp > 1:
-        dims.check_divisible(spec.tp_divisible_sizes(model_args))
-        if p.enable_sequence_parallel and t.seq_len % dims.tp:
-            raise ParallelConfigError(
-                f"training.seq_len={t.seq_len} is not divisible by parallelism.tensor_parallel_degree={dims.tp} "
-                "with sequence parallel on; use a multiple of the TP degree or --parallelism.no-enable_sequence_parallel."
-            )
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
-    if global_batch % (t.local_batch_size * dims.dp):
-        raise ConfigError(
-            f"training.global_batch_size={global_batch} must be a multiple of training.local_batch_size "
-            f"({t.local_batch_size}) x data-parallel degree ({dims.dp}) = {t.local_batch_size * dims.dp}."
-        )
-    return tokenizer, model_args, dims
+        print(f"weft: {error.label}: {error}", file=sys.stderr, flush=True)
+    return error.exit_code
 
 
 def _free_port() -> int:
@@ -70,18 +81,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pick_device(cfg: JobConfig) -> torch.device:
-    choice = cfg.training.device
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device is 'cuda' but no GPU is visible; use --training.device cpu or auto.")
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def _init_distributed(device: torch.device) -> None:
     """Always run inside a process group (one rank without torchrun) so that the single-process
-    path is the same code as the multi-rank one: a 1x1 mesh, FSDP over one rank."""
+    path is the same code as the multi-rank one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -92,58 +94,59 @@ def _init_distributed(device: torch.device) -> None:
         dist.init_process_group("gloo")
 
 
-def _configure_determinism(cfg: JobConfig) -> None:
-    if cfg.training.deterministic:
+def _configure_determinism(run: ResolvedRun) -> None:
+    if run.cfg.training.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-    torch.manual_seed(cfg.training.seed)
+    torch.manual_seed(run.cfg.training.seed)
 
 
-def main(argv: list[str]) -> int:
-    from trainer.compile_health import RecompileBudgetExceeded
-    from trainer.trainer import NonFiniteLossError, Trainer
+def _train(run: ResolvedRun) -> None:
+    from trainer.trainer import Trainer
 
-    if any(a in ("-h", "--help") for a in argv):
-        _print0(help_text())
-        return 0
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = load_config(argv)
-        tokenizer, model_args, dims = prepare(cfg, world_size)
-        device = _pick_device(cfg)
-    except (ConfigError, ParallelConfigError) as e:
-        _print0(f"weft: config error: {e}", err=True)
-        return EXIT_CONFIG_ERROR
-    if os.environ.get("WEFT_CHECK_CONFIG_ONLY") == "1":
-        return 0
-
-    _print0(f"[weft] {cfg.job.description}\n[weft] resolved config:\n{to_toml(cfg)}")
-    if _rank() == 0:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        with open(os.path.join(cfg.job.dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-    _configure_determinism(cfg)
-    _init_distributed(device)
+    _configure_determinism(run)
+    _init_distributed(run.device)
     trainer = None
     try:
-        trainer = Trainer(cfg, tokenizer=tokenizer, model_args=model_args, dims=dims, device=device)
+        trainer = Trainer(run)
         trainer.train()
-        return 0
-    except ConfigError as e:
-        _print0(f"weft: config error: {e}", err=True)
-        return EXIT_CONFIG_ERROR
-    except (NonFiniteLossError, RecompileBudgetExceeded) as e:
-        _print0(f"weft: {e}", err=True)
-        return 1
+        trainer.close()
+    except TrainingStopped:
+        # Raised on every rank at the same step (non-finite values, recompile budget, a failed
+        # save): close collectively, so an async save already in flight still completes.
+        if trainer is not None:
+            trainer.close()
+        raise
     except BaseException:
         # Possibly raised on this rank alone: a collective in close() would hang the job
         # instead of letting it fail.
         if trainer is not None:
             trainer.close_local()
-            trainer = None
         raise
     finally:
-        if trainer is not None:
-            trainer.close()
         dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        if _rank() == 0:
+            print(help_text())
+        return 0
+    lock = None
+    try:
+        cfg = load_config(argv)
+        setup_logging(_rank(), cfg.job.log_level)
+        run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if _rank() == 0:
+            lock = DumpFolderLock(run.paths.dump)
+            lock.acquire()
+        if os.environ.get("WEFT_CHECK_CONFIG_ONLY") == "1":
+            return 0
+        _train(run)
+        return 0
+    except WeftError as e:
+        return _report(e)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -11,9 +11,8 @@ one (e.g. Weights & Biases) means writing one such class and appending it in
 
 from __future__ import annotations
 
-import json
-import re
 import math
+import re
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any, Protocol, TextIO
 import torch
 
 from trainer.compile_health import CompileHealth
+from trainer.jsonl import JsonlWriter
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors'
 # spec sheets. Matched as substrings of the device name; more specific names come first.
@@ -149,34 +149,56 @@ class _Sink(Protocol):
     def close(self) -> None: ...
 
 
+_TB_GROUPS = {
+    "loss": ("loss", "grad_norm", "lr"),
+    "throughput": ("tps", "tflops", "mfu", "step_time_s", "data_time_pct", "eta_s"),
+    "memory": ("memory_max_active_gib", "memory_max_reserved_gib", "memory_pct"),
+    "compile": ("recompiles", "recompiles_since_log", "recompiles_after_warmup", "graph_breaks",
+                "unique_graphs", "compile_time_s", "compile_time_first_s"),
+}
+_TB_GROUP_OF = {key: group for group, keys in _TB_GROUPS.items() for key in keys}
+
+
+def tensorboard_tag(key: str) -> str:
+    """`loss/loss`, `throughput/tps`, `memory/...`, `compile/...`; keys that name their group
+    already (`validation/loss`) are kept, anything else goes under `other/`."""
+    if "/" in key:
+        return key
+    return f"{_TB_GROUP_OF.get(key, 'other')}/{key}"
+
+
 class _TensorBoardSink:
-    def __init__(self, log_dir: str) -> None:
+    """Scalars grouped by `tensorboard_tag`, the resolved config as a text entry. On resume,
+    `purge_step` drops the events a crashed run wrote past its checkpoint, so each step shows once."""
+
+    def __init__(self, log_dir: str, start_step: int, config_text: str | None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported only when enabled (slow)
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1 if start_step else None)
+        if config_text:
+            indented = "\n".join("    " + line for line in config_text.splitlines())  # markdown code block
+            self.writer.add_text("config", indented, start_step)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         for key, value in values.items():
             if key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, step)
+                self.writer.add_scalar(tensorboard_tag(key), value, step)
 
     def close(self) -> None:
         self.writer.close()
 
 
 class _JsonlSink:
-    """Appends, so a resumed run continues the same file; readers keep the last line per step."""
+    """One JSON object per record; a resumed run continues the file after its checkpoint's step."""
 
-    def __init__(self, path: str) -> None:
-        self.file = open(path, "a")
+    def __init__(self, path: str, start_step: int) -> None:
+        self.writer = JsonlWriter(path, start_step)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _json_value(v) for k, v in values.items() if k != "step"}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.writer.write({"step": step, **{k: _json_value(v) for k, v in values.items() if k != "step"}})
 
     def close(self) -> None:
-        self.file.close()
+        self.writer.close()
 
 
 class MetricsLogger:
@@ -199,9 +221,15 @@ class MetricsLogger:
         compile_health: CompileHealth | None = None,
         peak_flops: float | None = None,
         stream: TextIO | None = None,
+        tb_folder: str | None = None,
+        start_step: int = 0,
+        config_text: str | None = None,
     ) -> None:
         """`peak_flops` overrides the device table (for a device missing from it, or tests);
-        `stream` is where the console line goes (default stdout)."""
+        `stream` is where the console line goes (default stdout); `tb_folder` defaults to
+        `<dump_folder>/<metrics.save_tb_folder>`. `start_step` is the step the run resumes
+        from (0 fresh): records past it, left by an earlier run, are dropped so that every step
+        appears once. `config_text` (the resolved TOML) goes to TensorBoard as text."""
         self.log_freq = metrics_cfg.log_freq
         self.rank = rank
         self.device = device
@@ -215,9 +243,10 @@ class MetricsLogger:
         if rank == 0:
             os.makedirs(dump_folder, exist_ok=True)
             if metrics_cfg.enable_tensorboard:
-                self.sinks.append(_TensorBoardSink(os.path.join(dump_folder, metrics_cfg.save_tb_folder)))
+                tb_folder = tb_folder or os.path.join(dump_folder, metrics_cfg.save_tb_folder)
+                self.sinks.append(_TensorBoardSink(tb_folder, start_step, config_text))
             if metrics_cfg.enable_jsonl:
-                self.sinks.append(_JsonlSink(os.path.join(dump_folder, "metrics.jsonl")))
+                self.sinks.append(_JsonlSink(os.path.join(dump_folder, "metrics.jsonl"), start_step))
         self._last_log_time = time.perf_counter()
         self._last_log_step = 0
         self._window_start: float | None = None

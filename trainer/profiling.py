@@ -18,16 +18,15 @@ class _NoOp:
 
 
 @contextlib.contextmanager
-def maybe_profile(cfg: Profiling, *, dump_folder: str, rank: int, start_step: int) -> Iterator[object]:
+def maybe_profile(cfg: Profiling, *, folder: str, rank: int, start_step: int) -> Iterator[object]:
     """Yield an object whose `step()` is called once per training step.
 
     When enabled, the step before each multiple of `profile_freq` warms the profiler up and
-    the multiple itself is recorded to `<dump>/<save_traces_folder>/iteration_<N>/rank<R>_trace.json`.
+    the multiple itself is recorded to `<folder>/iteration_<N>/rank<R>_trace.json`.
     """
     if not cfg.enable_profiling:
         yield _NoOp()
         return
-    folder = os.path.join(dump_folder, cfg.save_traces_folder)
     step = [start_step]
 
     def on_trace_ready(prof: torch.profiler.profile) -> None:
@@ -51,7 +50,7 @@ def maybe_profile(cfg: Profiling, *, dump_folder: str, rank: int, start_step: in
 
 
 @contextlib.contextmanager
-def maybe_memory_snapshot(cfg: Profiling, *, dump_folder: str, rank: int, device: torch.device, start_step: int) -> Iterator[object]:
+def maybe_memory_snapshot(cfg: Profiling, *, folder: str, rank: int, device: torch.device, start_step: int) -> Iterator[object]:
     """Record CUDA allocator history and dump a snapshot every `profile_freq` steps (GPU only).
 
     Uses torch.cuda.memory._record_memory_history / _snapshot: private but the documented way
@@ -60,7 +59,6 @@ def maybe_memory_snapshot(cfg: Profiling, *, dump_folder: str, rank: int, device
     if not (cfg.enable_memory_snapshot and device.type == "cuda"):
         yield _NoOp()
         return
-    folder = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
     torch.cuda.memory._record_memory_history(max_entries=100000)
     step = [start_step]
 

@@ -1,10 +1,17 @@
-"""The training loop: one object that owns the model, optimizer, data, metrics and checkpoints."""
+"""The training loop: one object that owns the model, optimizer, data, metrics and checkpoints.
+
+The step keeps the host off the device's critical path: the loss, gradient norm and a
+non-finite flag stay on the device and are read once per logged step (and before a save),
+and preemption is agreed with a CPU all-reduce every few steps, so nothing in a plain step
+waits for the GPU.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import gc
+import logging
 import math
 import os
 import signal
@@ -14,97 +21,106 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from models import get_model_spec
 from parallel.compile import compile_loss
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
-from parallel.mesh import ParallelDims
-from trainer.build import DTYPES, build_model, parallel_flags
+from trainer.build import build_model
 from trainer.checkpoint import CheckpointManager
 from trainer.compile_health import CompileHealth
-from trainer.config import JobConfig, to_toml
+from trainer.config import DTYPES, to_toml
 from trainer.data import build_dataloader
+from trainer.errors import NonFiniteError
 from trainer.export import export_hf
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
-from trainer.profiling import maybe_profile, maybe_memory_snapshot
-from trainer.tokenizer import Tokenizer
+from trainer.profiling import maybe_memory_snapshot, maybe_profile
+from trainer.run import ResolvedRun
+
+logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/Inf; the run stops before saving that state."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def log0(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[weft] {msg}", flush=True)
+class _NonFiniteWatch:
+    """Remembers, on the device, the first step whose loss or gradient norm was not finite.
+
+    Updating it is two small device ops per step and never syncs; `first_bad_step()` reads it
+    (a sync), which the trainer does only on logged steps and before a save.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._first = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss + grad_norm) & (self._first == 0)
+        self._first = torch.where(bad, torch.full_like(self._first, step), self._first)
+
+    def first_bad_step(self) -> int:
+        return int(self._first.item())
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, *, tokenizer: Tokenizer, model_args: object, dims: ParallelDims, device: torch.device):
-        self.cfg = cfg
-        self.device = device
-        self.dims = dims
+    def __init__(self, run: ResolvedRun):
+        cfg = self.cfg = run.cfg
+        self.run = run
+        self.device = run.device
+        self.dims = run.dims
         self.rank = dist.get_rank()
-        self.tokenizer = tokenizer
-        self.mesh = dims.build_mesh(device.type)
+        self.tokenizer = run.tokenizer
+        self.mesh = run.dims.build_mesh(run.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.flags = parallel_flags(cfg, dims, device)
-        spec = get_model_spec(cfg.model.name)
 
-        self.model = build_model(cfg, spec, model_args, self.mesh, dims, self.flags, device)
+        self.model = build_model(run, self.mesh)
         self.num_params = self.model.num_params()
         self.flops_per_token = self.model.flops_per_token(cfg.training.seq_len)
-        log0(f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, "
-             f"mesh dp={dims.dp} x tp={dims.tp}, sequence_parallel={self.flags.sequence_parallel}, "
-             f"loss_parallel={self.flags.loss_parallel}, param dtype {self.flags.param_dtype}")
-
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.dataloader = build_dataloader(
-            cfg.training, tokenizer, dp_rank=self.dp_rank, dp_degree=dims.dp, device=device,
-            dump_folder=cfg.job.dump_folder,
+        logger.info(f"{cfg.job.description}; resolved config:\n{to_toml(cfg)}")
+        logger.info(
+            f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh dp={run.dims.dp} x "
+            f"tp={run.dims.tp}, sequence_parallel={run.sequence_parallel}, loss_parallel={run.loss_parallel}, "
+            f"param dtype {run.param_dtype}, global batch {run.global_batch_size} "
+            f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank)"
         )
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
+                           dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)
+        self.dataloader = build_dataloader(cfg.training, run.tokenizer, **loader_args)
         self.val_loader = None
         if cfg.validation.enable:
-            self.val_loader = build_dataloader(
-                cfg.training, tokenizer, dp_rank=self.dp_rank, dp_degree=dims.dp, device=device,
-                dump_folder=cfg.job.dump_folder, split="validation",
-                dataset_path=cfg.validation.dataset_path or None,
-            )
-        self.loss_fn = compile_loss(
-            lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words), cfg.compile
-        )
+            self.val_loader = build_dataloader(cfg.training, run.tokenizer, **loader_args, split="validation",
+                                               dataset_path=cfg.validation.dataset_path or None)
+        n_words = run.tokenizer.n_words
+        self.loss_fn = compile_loss(lambda logits, labels: cross_entropy_loss(logits, labels, n_words), cfg.compile)
 
         self.step = 0
-        self.compile_health = CompileHealth(cfg.compile, dump_folder=cfg.job.dump_folder, rank=self.rank) if cfg.compile.enable else None
-        self.metrics = MetricsLogger(
-            cfg.metrics, dump_folder=cfg.job.dump_folder, rank=self.rank, device=device,
-            flops_per_token=self.flops_per_token, total_steps=cfg.training.steps,
-            compile_health=self.compile_health,
-        )
+        self.compile_health: CompileHealth | None = None
+        self.metrics: MetricsLogger | None = None
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint, dump_folder=cfg.job.dump_folder, model=self.model, optimizer=self.optimizer,
+            cfg.checkpoint, dump_folder=run.paths.dump, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, config_toml=to_toml(cfg),
-            model_fingerprint=dataclasses.asdict(model_args),
+            model_fingerprint=dataclasses.asdict(run.model_args),
         )
-        self.model_args = model_args
         signals = (signal.SIGTERM, signal.SIGUSR1) if cfg.checkpoint.save_on_sigusr1 else (signal.SIGTERM,)
-        self.preemption = PreemptionHandler(signals)
+        self.preemption = PreemptionHandler(signals, check_freq=cfg.checkpoint.preemption_check_freq)
+        self.nonfinite = _NonFiniteWatch(run.device)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
-        return loss_parallel() if self.flags.loss_parallel else contextlib.nullcontext()
+        return loss_parallel() if self.run.loss_parallel else contextlib.nullcontext()
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward every micro-batch, clip, step. Returns (local mean loss, global grad norm)."""
+        """Forward/backward every micro-batch, clip, step. Returns (local mean loss, global grad norm),
+        both still on the device."""
         accum = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
             with self._loss_context():
                 loss = self.loss_fn(self.model(inputs), labels) / accum
                 loss.backward()
-            loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+            loss_sum += _local(loss).detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -115,6 +131,14 @@ class Trainer:
         value = value.detach().clone()
         dist.all_reduce(value, group=self.mesh["dp"].get_group())
         return value.item() / self.dims.dp
+
+    def _raise_if_nonfinite(self) -> None:
+        bad = self.nonfinite.first_bad_step()
+        if bad:
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {bad}; stopping without saving that state "
+                "(the newest checkpoint on disk is from before it). Lower optimizer.lr or check the data."
+            )
 
     def validate(self) -> dict[str, float]:
         """Held-out loss over `validation.steps` global batches.
@@ -132,23 +156,40 @@ class Trainer:
             for inputs, labels in self.val_loader.next_step():
                 with self._loss_context():
                     loss = self.loss_fn(self.model(inputs), labels)
-                total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+                total += _local(loss).detach()
                 del loss  # free this batch's graph before the next forward
                 count += 1
         loss = self._dp_mean(total / count)
         return {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 50.0))}
 
+    def _start(self) -> None:
+        """Resume (or not), then open what records the run: only now, after every check of the
+        resume passed, is anything written to the dump folder."""
+        cfg, run = self.cfg, self.run
+        self.step = self.checkpointer.load()
+        if self.rank == 0:
+            with open(os.path.join(run.paths.dump, "config.toml"), "w") as f:
+                f.write(to_toml(cfg))
+        if cfg.compile.enable:
+            self.compile_health = CompileHealth(cfg.compile, dump_folder=run.paths.dump, rank=self.rank,
+                                                start_step=self.step)
+        self.metrics = MetricsLogger(
+            cfg.metrics, dump_folder=run.paths.dump, rank=self.rank, device=self.device,
+            flops_per_token=self.flops_per_token, total_steps=cfg.training.steps,
+            compile_health=self.compile_health, tb_folder=run.paths.tensorboard, start_step=self.step,
+            config_text=to_toml(cfg),
+        )
+
     def train(self) -> None:
         cfg = self.cfg
-        self.step = self.checkpointer.load()
-        if self.step:
-            log0(f"resumed from step {self.step}")
+        self._start()
         gc.disable()
         gc.collect()
-        tokens_per_step = self.dataloader.grad_accum_steps * cfg.training.local_batch_size * cfg.training.seq_len
+        tokens_per_step = self.run.grad_accum_steps * cfg.training.local_batch_size * cfg.training.seq_len
         tokens_since_log = 0
-        with maybe_profile(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank, start_step=self.step) as profiler, \
-                maybe_memory_snapshot(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank, device=self.device, start_step=self.step) as snapshot:
+        with maybe_profile(cfg.profiling, folder=self.run.paths.traces, rank=self.rank, start_step=self.step) as profiler, \
+                maybe_memory_snapshot(cfg.profiling, folder=self.run.paths.memory_snapshots, rank=self.rank,
+                                      device=self.device, start_step=self.step) as snapshot:
             while self.step < cfg.training.steps:
                 self.step += 1
                 if self.step % cfg.training.gc_freq == 0:
@@ -158,43 +199,45 @@ class Trainer:
                 self.metrics.data_loaded()
                 lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm = self.train_step(batches)
+                self.nonfinite.update(self.step, loss, grad_norm)
                 tokens_since_log += tokens_per_step // self.dims.tp
-                if not torch.isfinite(loss + grad_norm).item():
-                    raise NonFiniteLossError(
-                        f"non-finite loss or gradient norm at step {self.step} (loss={loss.item()}, "
-                        f"grad_norm={grad_norm.item()}); stopping without saving this state."
-                    )
                 if self.compile_health is not None:
                     self.compile_health.check(self.step)  # ends the warm-up itself
                 last = self.step == cfg.training.steps
                 if self.metrics.should_log(self.step) or last:
+                    self._raise_if_nonfinite()
                     self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
                                      tokens=tokens_since_log)
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
                     self.metrics.log_scalars(self.step, self.validate())
-                stop = self.preemption.should_stop()
-                if stop and not last and cfg.checkpoint.enable:
+                stop = self.preemption.should_stop(self.step) and not last
+                if stop or self.checkpointer.wants_save(self.step, last=last):
+                    self._raise_if_nonfinite()
+                if stop and cfg.checkpoint.enable:
                     self.checkpointer.save(self.step)  # full state, even with model_only_final
                 else:
                     self.checkpointer.maybe_save(self.step, last=last)
                 profiler.step()
                 snapshot.step()
                 if stop:
-                    log0(f"preemption signal received: saved step {self.step}, exiting")
+                    logger.info(f"preemption: stopped after step {self.step}" + (", checkpoint saved" if cfg.checkpoint.enable else ""))
                     break
         self.checkpointer.wait()
         if cfg.checkpoint.export_hf and self.step == cfg.training.steps:
-            out = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, "hf")
-            export_hf(self.model, self.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
+            out = os.path.join(self.run.paths.checkpoint, "hf")
+            export_hf(self.model, self.run.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
                       vocab_size=self.tokenizer.n_words)
-            log0(f"exported Hugging Face Llama weights to {out}")
+            logger.info(f"exported Hugging Face Llama weights to {out}")
 
     def close_local(self) -> None:
         """Cleanup without collectives, for an error that may have hit this rank alone."""
         gc.enable()
         self.preemption.close()
-        self.metrics.close()
+        if self.compile_health is not None:
+            self.compile_health.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def close(self) -> None:
         gc.enable()
@@ -203,4 +246,5 @@ class Trainer:
         if self.compile_health is not None:
             self.compile_health.write_report()
             self.compile_health.close()
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()

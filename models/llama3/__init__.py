@@ -1,11 +1,12 @@
 from models import ModelSpec
 from models.llama3 import parallelize
-from models.llama3.args import FLAVORS, flavor_args
+from models.llama3.args import FLAVORS, flavor_args, padded_vocab_size
 from models.llama3.model import Transformer
 
 spec = ModelSpec(
     name="llama3",
     flavors=FLAVORS,
+    vocab_size=padded_vocab_size,
     build_args=flavor_args,
     model_cls=Transformer,
     root_tp_plan=parallelize.root_tp_plan,

@@ -1,0 +1,228 @@
+"""One resolved run: every value that depends on several keys, the world size or a checkpoint.
+
+`resolve_run` turns the raw config into a frozen `ResolvedRun` once, before any process group
+exists, so that each mistake is found early and reported once, and so that the rest of the
+trainer reads one answer instead of re-deriving it: the device, the mesh degrees, the
+parallel flags that are actually in effect, the dtypes, the global batch and the number of
+micro-batches, the model args, the folders, and the checkpoint step to resume from. Config
+sections that need no resolution (optimizer, lr schedule, metrics, ...) are read from
+`run.cfg` as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from models import MODEL_NAMES, ModelSpec, get_model_spec
+from parallel.mesh import ParallelConfigError, ParallelDims
+from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
+from trainer.config import DTYPES, JobConfig
+from trainer.errors import CheckpointError, ConfigError
+from trainer.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Output folders: relative keys live under `job.dump_folder`, absolute ones where they say."""
+
+    dump: str
+    checkpoint: str
+    tensorboard: str
+    traces: str
+    memory_snapshots: str
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    cfg: JobConfig
+    spec: ModelSpec
+    model_args: Any
+    tokenizer: Tokenizer
+    device: torch.device
+    dims: ParallelDims
+    sequence_parallel: bool
+    loss_parallel: bool
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    global_batch_size: int  # sequences per optimizer step over all data-parallel ranks
+    grad_accum_steps: int  # micro-batches per step on each data-parallel rank
+    paths: RunPaths
+    resume_step: int | None  # checkpoint step to resume from; None starts fresh
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on, over all ranks."""
+        return self.global_batch_size * self.cfg.training.seq_len
+
+
+def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
+    """Check everything that needs no process group and resolve the run; raises ConfigError
+    (or CheckpointError) with one message naming the key and the fix."""
+    spec = _model_spec(cfg)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    model_args = _model_args(cfg, spec, tokenizer)
+    dims = _parallel_dims(cfg, world_size, spec, model_args)
+    device = _device(cfg)
+    paths = _paths(cfg)
+    resume_step = _resume_step(cfg, paths.checkpoint)
+    global_batch = _global_batch_size(cfg, dims, paths.checkpoint, resume_step)
+    _check_model_dependent(cfg, model_args)
+    param = cfg.training.mixed_precision_param
+    if param == "auto":
+        param = "bfloat16" if device.type == "cuda" else "float32"
+    p = cfg.parallelism
+    return ResolvedRun(
+        cfg=cfg,
+        spec=spec,
+        model_args=model_args,
+        tokenizer=tokenizer,
+        device=device,
+        dims=dims,
+        sequence_parallel=dims.tp > 1 and p.enable_sequence_parallel,
+        loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
+        param_dtype=DTYPES[param],
+        reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+        global_batch_size=global_batch,
+        grad_accum_steps=global_batch // (cfg.training.local_batch_size * dims.dp),
+        paths=paths,
+        resume_step=resume_step,
+    )
+
+
+def _model_spec(cfg: JobConfig) -> ModelSpec:
+    if cfg.model.name not in MODEL_NAMES:
+        raise ConfigError(f"model.name '{cfg.model.name}' is unknown; available: {', '.join(MODEL_NAMES)}.")
+    spec = get_model_spec(cfg.model.name)
+    if cfg.model.flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor '{cfg.model.flavor}' is unknown for {cfg.model.name}; available: {', '.join(spec.flavors)}."
+        )
+    return spec
+
+
+def _model_args(cfg: JobConfig, spec: ModelSpec, tokenizer: Tokenizer) -> Any:
+    try:
+        vocab_size = spec.vocab_size(tokenizer.n_words, cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"{e}; raise model.vocab_size or set it to 0 (automatic).") from None
+    return spec.build_args(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+
+
+def _parallel_dims(cfg: JobConfig, world_size: int, spec: ModelSpec, model_args: Any) -> ParallelDims:
+    p, seq_len = cfg.parallelism, cfg.training.seq_len
+    try:
+        dims = ParallelDims.resolve(world_size, p.data_parallel_shard_degree, p.tensor_parallel_degree)
+        if dims.tp > 1:
+            dims.check_divisible(spec.tp_divisible_sizes(model_args))
+    except ParallelConfigError as e:
+        raise ConfigError(str(e)) from None
+    if dims.tp > 1 and p.enable_sequence_parallel and seq_len % dims.tp:
+        raise ConfigError(
+            f"training.seq_len={seq_len} is not divisible by parallelism.tensor_parallel_degree={dims.tp} "
+            "with sequence parallel on; use a multiple of the TP degree or --parallelism.no-enable_sequence_parallel."
+        )
+    return dims
+
+
+def _device(cfg: JobConfig) -> torch.device:
+    choice = cfg.training.device
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device is 'cuda' but no GPU is visible; use --training.device cpu or auto.")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _subfolder(dump: str, value: str, key: str) -> str:
+    """`value` under `dump` when relative (it may not climb out with '..'); as given when absolute."""
+    if os.path.isabs(value):
+        return os.path.normpath(value)
+    normalized = os.path.normpath(value)
+    if normalized == ".." or normalized.startswith(".." + os.sep):
+        raise ConfigError(
+            f"{key} '{value}' leaves job.dump_folder through '..'; use a folder inside it, or an "
+            "absolute path to write elsewhere (e.g. a checkpoint disk)."
+        )
+    return os.path.join(dump, normalized)
+
+
+def _paths(cfg: JobConfig) -> RunPaths:
+    dump = os.path.normpath(cfg.job.dump_folder)
+    return RunPaths(
+        dump=dump,
+        checkpoint=_subfolder(dump, cfg.checkpoint.folder, "checkpoint.folder"),
+        tensorboard=_subfolder(dump, cfg.metrics.save_tb_folder, "metrics.save_tb_folder"),
+        traces=_subfolder(dump, cfg.profiling.save_traces_folder, "profiling.save_traces_folder"),
+        memory_snapshots=_subfolder(
+            dump, cfg.profiling.save_memory_snapshot_folder, "profiling.save_memory_snapshot_folder"
+        ),
+    )
+
+
+def _resume_step(cfg: JobConfig, folder: str) -> int | None:
+    """The step `checkpoint.load_step` picks (-1: the newest complete one), or None."""
+    if not cfg.checkpoint.enable:
+        return None
+    steps = complete_steps(folder)
+    want = cfg.checkpoint.load_step
+    if want == -1:
+        return steps[-1] if steps else None
+    if want not in steps:
+        raise CheckpointError(
+            f"checkpoint.load_step = {want} but {folder} has no complete step-{want} "
+            f"(complete steps: {', '.join(map(str, steps)) or 'none'}). Pass one of those, or -1 for the newest."
+        )
+    return want
+
+
+def _global_batch_size(cfg: JobConfig, dims: ParallelDims, folder: str, resume_step: int | None) -> int:
+    """`training.global_batch_size`, where -1 means local_batch_size x dp for a fresh run and the
+    checkpoint's value on resume, so that a run may resume on another world size."""
+    t = cfg.training
+    rows_per_micro_batch = t.local_batch_size * dims.dp
+    global_batch = t.global_batch_size
+    source = "training.global_batch_size"
+    if global_batch == -1 and resume_step is not None:
+        saved = (read_trainer_state(step_dir(folder, resume_step)).get("dataloader") or {}).get("global_batch_size")
+        if saved is not None:
+            global_batch, source = int(saved), f"the global batch of checkpoint step-{resume_step} (training.global_batch_size = -1)"
+    if global_batch == -1:
+        return rows_per_micro_batch
+    if global_batch % rows_per_micro_batch:
+        fix = max(rows_per_micro_batch, global_batch // rows_per_micro_batch * rows_per_micro_batch)
+        raise ConfigError(
+            f"{source} = {global_batch} must be a multiple of training.local_batch_size ({t.local_batch_size}) "
+            f"x data-parallel degree ({dims.dp}) = {rows_per_micro_batch}. Set training.global_batch_size "
+            f"to e.g. {fix}, or change training.local_batch_size."
+        )
+    return global_batch
+
+
+def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
+    """Checks that need the model's size; warnings go to the log once (rank 0)."""
+    ac = cfg.activation_checkpoint
+    n_layers = getattr(model_args, "n_layers", None)
+    if ac.mode == "selective" and ac.selective_ac_option != "op" and n_layers is not None:
+        every = int(ac.selective_ac_option)
+        if every > n_layers:
+            raise ConfigError(
+                f"activation_checkpoint.selective_ac_option = {every} is larger than the model's {n_layers} "
+                f"layers, so no block would be checkpointed; use 1..{n_layers}, or activation_checkpoint.mode = 'none'."
+            )
+    t, warmup = cfg.training, cfg.lr_scheduler.warmup_steps
+    if warmup > t.steps and _is_rank0():
+        logger.warning(
+            f"lr_scheduler.warmup_steps ({warmup}) > training.steps ({t.steps}): the learning rate never "
+            f"reaches optimizer.lr (it ends at {t.steps / (warmup + 1):.0%} of it)."
+        )
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
