@@ -242,7 +242,7 @@ def test_validation_split_is_held_out_of_training(tok, tmp_path):
     docs = [f"document {i}: " + " ".join(f"w{i}_{j}" for j in range(30)) for i in range(40)]
     data = write_txt(tmp_path / "c", docs)
     t = cfg(dataset_path=data)
-    kw = dict(dp_rank=0, dp_degree=1, device="cpu", dump_folder=str(tmp_path / "out"))
+    kw = dict(dp_rank=0, dp_degree=1, device="cpu", dump_folder=str(tmp_path / "out"), global_batch_size=2)
     train = build_dataloader(t, tok, **kw)
     val = build_dataloader(t, tok, **kw, split="validation")
     total = len(PackedWindows(expected_stream(tok, docs), 16))
@@ -260,10 +260,10 @@ def test_validation_split_is_held_out_of_training(tok, tmp_path):
 
 def test_build_dataloader_errors(tok, tmp_path):
     out = str(tmp_path / "out")
-    kw = dict(dp_rank=0, dp_degree=2, device="cpu", dump_folder=out)
+    kw = dict(dp_rank=0, dp_degree=2, device="cpu", dump_folder=out, global_batch_size=4)
     data = write_txt(tmp_path / "c", DOCS)
     with pytest.raises(ConfigError, match="training.global_batch_size"):
-        build_dataloader(cfg(dataset_path=data, global_batch_size=6), tok, **kw)
+        build_dataloader(cfg(dataset_path=data), tok, **{**kw, "global_batch_size": 6})
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ConfigError, match="training.dataset_path .* matches no"):
         build_dataloader(cfg(dataset_path=str(tmp_path / "empty")), tok, **kw)
@@ -310,7 +310,8 @@ def test_default_dataset_is_stdlib(tok, tmp_path, monkeypatch):
     real = trainer.data.stdlib_files
     monkeypatch.setattr(trainer.data, "stdlib_files", lambda max_files=None: real(200))
     t = cfg(seq_len=512, local_batch_size=4)
-    ld = build_dataloader(t, tok, dp_rank=0, dp_degree=1, device="cpu", dump_folder=str(tmp_path))
+    ld = build_dataloader(t, tok, dp_rank=0, dp_degree=1, device="cpu", dump_folder=str(tmp_path),
+                          global_batch_size=4)
     n = len(ld.source.tokens) // 513
     assert t.dataset == "stdlib" and n > 200 and len(ld.source) == n - validation_windows(n)
     inputs, labels = ld.next_step()[0]
@@ -329,8 +330,8 @@ def _rank_worker(rank: int, world: int, store: str, data: str, dump: str, result
         return real(source, tokenizer, cache_dir, **kw)
 
     trainer.data.load_token_stream = spy
-    ld = build_dataloader(cfg(dataset_path=data, local_batch_size=1, global_batch_size=4), tok, dp_rank=rank,
-                          dp_degree=world, device="cpu", dump_folder=dump)
+    ld = build_dataloader(cfg(dataset_path=data, local_batch_size=1), tok, dp_rank=rank,
+                          dp_degree=world, device="cpu", dump_folder=dump, global_batch_size=4)
     results[rank] = (cache_was_there, [torch.cat([x for x, _ in ld.next_step()]) for _ in range(3)])
     dist.destroy_process_group()
 
@@ -341,7 +342,7 @@ def test_two_ranks_rank0_tokenizes_first_and_batches_match_dp1(tok, tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_rank_worker, args=(2, str(tmp_path / "store"), data, str(tmp_path / "out"), results), nprocs=2)
     assert results[0][0] == [False] and results[1][0] == [True]
-    ref = build_dataloader(cfg(dataset_path=data, local_batch_size=4, global_batch_size=4), tok, dp_rank=0,
-                           dp_degree=1, device="cpu", dump_folder=str(tmp_path / "out"))
+    ref = build_dataloader(cfg(dataset_path=data, local_batch_size=4), tok, dp_rank=0,
+                           dp_degree=1, device="cpu", dump_folder=str(tmp_path / "out"), global_batch_size=4)
     for step in range(3):
         assert torch.equal(torch.cat([results[0][1][step], results[1][1][step]]), ref.next_step()[0][0])

@@ -48,8 +48,9 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
 
     runs = {"2x2": resumed("resume_2x2", 2, COMPILED), "4x1": resumed("resume_4x1", 1), "1x4": resumed("resume_1x4", 4)}
     results = launch(tmp_path, 4, base, list(runs.values()))
-    results.update(launch(tmp_path, 1, base, [resumed("resume_1x1", 1)]))
-    runs["1x1"] = resumed("resume_1x1", 1)
+    # -1: the global batch comes from the checkpoint (8), so one rank runs 4 micro-batches of 2.
+    runs["1x1"] = resumed("resume_1x1", 1) + ["--training.global_batch_size", "-1"]
+    results.update(launch(tmp_path, 1, base, [runs["1x1"]]))
 
     exact = losses(results[" ".join(runs["2x2"])])
     assert sorted(exact) == list(range(11, 21)), "the resumed run starts at step 11"
