@@ -24,17 +24,17 @@ from parallel.tensor_parallel import apply_tensor_parallel
 from parallel.fsdp import apply_fsdp
 flavor, world, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-dims = ParallelDims.resolve(world, -1, tp)
-mesh = dims.build_mesh("cpu")
+dims = ParallelDims.resolve(world, 1, -1, tp)
+meshes = dims.build_meshes("cpu")
 spec = get_model_spec("llama3")
 args = spec.build_args(flavor, vocab_size=128256, max_seq_len=8192)
 dims.check_divisible(spec.tp_divisible_sizes(args))
 with torch.device("meta"):
     model = spec.model_cls(args)
-apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(True, True))
+apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(True, True))
 for block in spec.blocks(model).values():
-    apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(True))
-apply_fsdp(model, spec.fsdp_units(model), mesh["dp"], param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(True))
+apply_fsdp(model, spec.fsdp_units(model), meshes.data_parallel, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 params = {n: {"global": list(p.shape), "local": list(p.to_local().shape), "placements": [type(x).__name__ for x in p.placements]}
           for n, p in model.named_parameters()}
 print(json.dumps({"params": params, "num_params": model.num_params(), "dp": dims.dp}))

@@ -15,7 +15,12 @@ TINY = ["--model.flavor", "tinymodel", "--training.seq_len", "32"]
 
 
 @pytest.mark.parametrize("world, overrides, needle", [
-    (4, ["--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree=3 does not divide the world size 4"),
+    (4, ["--parallelism.tensor_parallel_degree", "3"],
+     "tensor_parallel_degree=3 x data_parallel_replicate_degree=1 does not divide the world size 4"),
+    (4, ["--parallelism.data_parallel_replicate_degree", "3"], "data_parallel_replicate_degree=3 does not divide"),
+    (8, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "3"],
+     "(2) x data_parallel_shard_degree (3) x tensor_parallel_degree (1) = 6 but the world size is 8"),
+    (4, ["--parallelism.data_parallel_replicate_degree", "0"], "data_parallel_replicate_degree must be >= 1"),
     (4, ["--parallelism.data_parallel_shard_degree", "3"], "set data_parallel_shard_degree to 4 or -1"),
     (8, ["--parallelism.tensor_parallel_degree", "8"], "n_kv_heads=4 is not divisible"),
     (4, ["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "30"], "training.seq_len=30"),
@@ -29,7 +34,7 @@ def test_invalid_mesh(world, overrides, needle):
 
 
 def test_ffn_hidden_and_vocab_divisibility():
-    dims = ParallelDims.resolve(8, -1, 8)
+    dims = ParallelDims.resolve(8, 1, -1, 8)
     with pytest.raises(ParallelConfigError, match="model FFN hidden size=100 is not divisible"):
         dims.check_divisible({"model FFN hidden size": 100})
 
@@ -39,6 +44,12 @@ def test_seq_len_not_divisible_is_fine_without_sequence_parallel():
                               "--parallelism.no-enable_sequence_parallel"])
     dims = resolve_run(cfg, 4).dims
     assert (dims.dp, dims.tp) == (1, 4)
+
+
+def test_hsdp_mesh_resolves():
+    cfg = load_config(TINY + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"])
+    dims = resolve_run(cfg, 8).dims
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (2, 2, 2, 4)
 
 
 def test_valid_2d_mesh_resolves():

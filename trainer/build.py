@@ -12,26 +12,26 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compile import apply_compile
 from parallel.fsdp import apply_fsdp
 from parallel.init import sharded_init_normal_
+from parallel.mesh import Meshes
 from parallel.tensor_parallel import apply_tensor_parallel
 from trainer.run import ResolvedRun
 
 
-def build_model(run: ResolvedRun, mesh: DeviceMesh) -> nn.Module:
+def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     """Return the parallelized, initialized model (seeded by training.seed, mesh-independent)."""
     cfg, spec = run.cfg, run.spec
     with torch.device("meta"):
         model = spec.model_cls(run.model_args)
     blocks = spec.blocks(model)
     if run.dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))
+        apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))
         for block in blocks.values():
-            apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(run.sequence_parallel))
+            apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(run.sequence_parallel))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
@@ -40,7 +40,7 @@ def build_model(run: ResolvedRun, mesh: DeviceMesh) -> nn.Module:
     apply_fsdp(
         model,
         spec.fsdp_units(model),
-        mesh["dp"],
+        meshes.data_parallel,
         param_dtype=run.param_dtype,
         reduce_dtype=run.reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,

@@ -83,7 +83,8 @@ class Training:
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = -1  # FSDP degree; -1 = world size / tensor_parallel_degree
+    data_parallel_replicate_degree: int = 1  # HSDP replicas (outermost mesh dim, e.g. nodes); gradients all-reduced across them
+    data_parallel_shard_degree: int = -1  # FSDP degree; -1 = world size / (replicate x tensor_parallel_degree)
     tensor_parallel_degree: int = 1  # TP degree (innermost mesh dim)
     enable_sequence_parallel: bool = True  # shard norms/residual on the sequence dim when tp > 1
     enable_loss_parallel: bool = True  # vocab-sharded logits and cross-entropy when tp > 1

@@ -118,7 +118,8 @@ def _model_args(cfg: JobConfig, spec: ModelSpec, tokenizer: Tokenizer) -> Any:
 def _parallel_dims(cfg: JobConfig, world_size: int, spec: ModelSpec, model_args: Any) -> ParallelDims:
     p, seq_len = cfg.parallelism, cfg.training.seq_len
     try:
-        dims = ParallelDims.resolve(world_size, p.data_parallel_shard_degree, p.tensor_parallel_degree)
+        dims = ParallelDims.resolve(world_size, p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                                    p.tensor_parallel_degree)
         if dims.tp > 1:
             dims.check_divisible(spec.tp_divisible_sizes(model_args))
     except ParallelConfigError as e:
@@ -127,6 +128,12 @@ def _parallel_dims(cfg: JobConfig, world_size: int, spec: ModelSpec, model_args:
         raise ConfigError(
             f"training.seq_len={seq_len} is not divisible by parallelism.tensor_parallel_degree={dims.tp} "
             "with sequence parallel on; use a multiple of the TP degree or --parallelism.no-enable_sequence_parallel."
+        )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if dims.tp > local_world and _is_rank0():
+        logger.warning(
+            f"parallelism.tensor_parallel_degree={dims.tp} is larger than the {local_world} processes per node: "
+            "tensor-parallel collectives will cross the inter-node network; keep tp within a node."
         )
     return dims
 

@@ -70,16 +70,16 @@ class Trainer:
         self.dims = run.dims
         self.rank = dist.get_rank()
         self.tokenizer = run.tokenizer
-        self.mesh = run.dims.build_mesh(run.device.type)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.meshes = run.dims.build_meshes(run.device.type)
+        self.dp_rank = self.meshes.dp.get_local_rank()
 
-        self.model = build_model(run, self.mesh)
+        self.model = build_model(run, self.meshes)
         self.num_params = self.model.num_params()
         self.flops_per_token = self.model.flops_per_token(cfg.training.seq_len)
         logger.info(f"{cfg.job.description}; resolved config:\n{to_toml(cfg)}")
         logger.info(
-            f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh dp={run.dims.dp} x "
-            f"tp={run.dims.tp}, sequence_parallel={run.sequence_parallel}, loss_parallel={run.loss_parallel}, "
+            f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh dp_replicate="
+            f"{run.dims.dp_replicate} x dp_shard={run.dims.dp_shard} x tp={run.dims.tp}, sequence_parallel={run.sequence_parallel}, loss_parallel={run.loss_parallel}, "
             f"param dtype {run.param_dtype}, global batch {run.global_batch_size} "
             f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank)"
         )
@@ -129,7 +129,7 @@ class Trainer:
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().clone()
-        dist.all_reduce(value, group=self.mesh["dp"].get_group())
+        dist.all_reduce(value, group=self.meshes.dp.get_group())
         return value.item() / self.dims.dp
 
     def _raise_if_nonfinite(self) -> None:
