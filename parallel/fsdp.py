@@ -12,7 +12,7 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
 
@@ -42,3 +42,13 @@ def apply_fsdp(
         fully_shard(list(unit) if isinstance(unit, (list, tuple)) else unit,
                     mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+
+
+def set_gradient_sync(model: nn.Module, *, reduce_scatter: bool, all_reduce: bool) -> None:
+    """Whether the next backward reduces gradients: the reduce-scatter within the shard group,
+    and (HSDP) the all-reduce across replicas. Skipping both accumulates unsharded gradients
+    until a backward that syncs; skipping only the all-reduce keeps gradients sharded and
+    still saves the cross-node traffic. A no-op on a model without a data-parallel wrapper."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(reduce_scatter)
+        model.set_requires_all_reduce(all_reduce)

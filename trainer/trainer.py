@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.compile import compile_loss
+from parallel.fsdp import set_gradient_sync
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
@@ -107,6 +108,7 @@ class Trainer:
         signals = (signal.SIGTERM, signal.SIGUSR1) if cfg.checkpoint.save_on_sigusr1 else (signal.SIGTERM,)
         self.preemption = PreemptionHandler(signals, check_freq=cfg.checkpoint.preemption_check_freq)
         self.nonfinite = _NonFiniteWatch(run.device)
+        self.defer_reduce_scatter = cfg.parallelism.gradient_sync == "step"
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.run.loss_parallel else contextlib.nullcontext()
@@ -116,7 +118,10 @@ class Trainer:
         both still on the device."""
         accum = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in micro_batches:
+        for index, (inputs, labels) in enumerate(micro_batches):
+            if accum > 1:
+                last = index == accum - 1
+                set_gradient_sync(self.model, reduce_scatter=last or not self.defer_reduce_scatter, all_reduce=last)
             with self._loss_context():
                 loss = self.loss_fn(self.model(inputs), labels) / accum
                 loss.backward()
