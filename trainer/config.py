@@ -117,7 +117,7 @@ class Checkpoint:
     model_only_final: bool = False  # last checkpoint holds model weights only
     export_dtype: str = "float32"  # dtype of the exported final model
     save_on_sigusr1: bool = False  # treat SIGUSR1 like SIGTERM: finish the step, save, exit 0
-    export_hf: bool = False  # at the end, write <folder>/hf/model.safetensors + config.json (HF Llama)
+    export_hf: bool = False  # at the end, write <folder>/hf/: HF Llama safetensors (+ index) and config.json
 
 
 @dataclass

@@ -11,6 +11,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -52,6 +53,7 @@ class Trainer:
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.flags = parallel_flags(cfg, dims, device)
         spec = get_model_spec(cfg.model.name)
+        self.hf_adapter = spec.hf_adapter(model_args)
 
         self.model = build_model(cfg, spec, model_args, self.mesh, dims, self.flags, device)
         self.num_params = self.model.num_params()
@@ -89,7 +91,6 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, config_toml=to_toml(cfg),
             model_fingerprint=dataclasses.asdict(model_args),
         )
-        self.model_args = model_args
         signals = (signal.SIGTERM, signal.SIGUSR1) if cfg.checkpoint.save_on_sigusr1 else (signal.SIGTERM,)
         self.preemption = PreemptionHandler(signals)
 
@@ -186,9 +187,8 @@ class Trainer:
         self.checkpointer.wait()
         if cfg.checkpoint.export_hf and self.step == cfg.training.steps:
             out = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder, "hf")
-            export_hf(self.model, self.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                      vocab_size=self.tokenizer.n_words)
-            log0(f"exported Hugging Face Llama weights to {out}")
+            export_hf(get_model_state_dict(self.model), self.hf_adapter, out,
+                      dtype=DTYPES[cfg.checkpoint.export_dtype], vocab_size=self.tokenizer.n_words)
 
     def close_local(self) -> None:
         """Cleanup without collectives, for an error that may have hit this rank alone."""
