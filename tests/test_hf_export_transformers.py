@@ -1,4 +1,5 @@
-"""The exported model loads in Hugging Face `LlamaForCausalLM` and gives our logits.
+"""The exported model loads in Hugging Face `LlamaForCausalLM` and gives our logits, and what
+`save_pretrained` writes (its own shards, index and config.json keys) loads back into ours.
 
 One file without, and several shards with Llama 3.1 RoPE scaling (read through the index).
 
@@ -14,6 +15,7 @@ from models.llama3.args import flavor_args
 from models.llama3.hf import hf_adapter
 from models.llama3.model import Transformer
 from trainer.export import export_hf
+from trainer.initial_load import load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,3 +35,10 @@ def test_llama_for_causal_lm_matches(tmp_path, scaled_rope, max_shard_bytes):
         theirs = hf(tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
+    hf.save_pretrained(str(tmp_path / "saved"), max_shard_size=max_shard_bytes)
+    torch.manual_seed(1)
+    fresh = Transformer(args)
+    fresh.init_weights()
+    load_hf_weights(fresh, hf_adapter(args), str(tmp_path / "saved"), vocab_size=512)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), ours, rtol=1e-6, atol=1e-6)

@@ -26,6 +26,7 @@ from trainer.compile_health import CompileHealth
 from trainer.config import JobConfig, to_toml
 from trainer.data import build_dataloader
 from trainer.export import export_hf
+from trainer.initial_load import load_hf_weights, resolve_initial_load
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
@@ -54,6 +55,9 @@ class Trainer:
         self.flags = parallel_flags(cfg, dims, device)
         spec = get_model_spec(cfg.model.name)
         self.hf_adapter = spec.hf_adapter(model_args)
+        c = cfg.checkpoint
+        self.initial_load_path = resolve_initial_load(c.initial_load_path, c.initial_load_in_hf,
+                                                      c.initial_load_model_only)
 
         self.model = build_model(cfg, spec, model_args, self.mesh, dims, self.flags, device)
         self.num_params = self.model.num_params()
@@ -143,7 +147,11 @@ class Trainer:
         cfg = self.cfg
         self.step = self.checkpointer.load()
         if self.step:
-            log0(f"resumed from step {self.step}")
+            unused = "; checkpoint.initial_load_path not used" if self.initial_load_path else ""
+            log0(f"resumed from step {self.step}{unused}")
+        elif self.initial_load_path:  # only without a checkpoint to resume: a resume always wins
+            load_hf_weights(self.model, self.hf_adapter, self.initial_load_path,
+                            vocab_size=self.tokenizer.n_words)
         gc.disable()
         gc.collect()
         tokens_per_step = self.dataloader.grad_accum_steps * cfg.training.local_batch_size * cfg.training.seq_len
