@@ -1,10 +1,11 @@
-"""Convert a weft DCP checkpoint folder to Hugging Face Llama format (safetensors + config.json).
+"""Convert a weft DCP checkpoint folder to Hugging Face format (safetensors + config.json).
 
     python scripts/convert_to_hf.py outputs/checkpoint/step-1000 hf_out [--dtype bfloat16] [--vocab-size 100277]
 
-Runs on one process without a process group, whatever mesh wrote the checkpoint.
-Model args (n_heads, n_kv_heads, rope_theta, ...) come from the checkpoint's
-fingerprint.json; the flags below override or supply them.
+Runs on one process without a process group, whatever mesh wrote the checkpoint. Model args
+(dim, n_heads, n_kv_heads, rope_theta, ...) come from the checkpoint's fingerprint.json; the
+flags below override them. Files over 5 GB are split into shards with an index, as HF does.
+OUT_DIR is replaced as a whole, so it must be new, empty, or an earlier export.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.export import load_dcp_model_state_dict, read_model_args, write_hf_checkpoint  # noqa: E402
+from models import MODEL_NAMES, get_model_spec  # noqa: E402
+from trainer.export import (  # noqa: E402
+    export_hf,
+    foreign_files,
+    load_dcp_model_state_dict,
+    read_model_args,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--vocab-size", type=int, default=None, help="trim padded vocab rows to this size")
+    p.add_argument("--model", default="llama3", choices=MODEL_NAMES, help="model family of the checkpoint")
     p.add_argument("--n-heads", type=int)
     p.add_argument("--n-kv-heads", type=int)
     p.add_argument("--rope-theta", type=float)
@@ -44,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         "max_seq_len": a.max_seq_len,
     }
     model_args.update({k: v for k, v in overrides.items() if v is not None})
-    if not model_args.get("n_heads"):
-        p.error("the checkpoint stores no model args; pass at least --n-heads (and --n-kv-heads, --rope-theta)")
+    if not model_args.get("dim"):
+        p.error("the checkpoint's fingerprint.json stores no model args (written by a weft trainer, it does)")
+    foreign = foreign_files(a.out_dir)
+    if foreign:
+        p.error(f"{a.out_dir} holds files an export does not write (e.g. {foreign[0]}) and would be replaced; "
+                "pass a new or empty folder")
+    adapter = get_model_spec(a.model).hf_adapter(model_args)
     state_dict = load_dcp_model_state_dict(a.checkpoint_dir)
-    write_hf_checkpoint(state_dict, model_args, a.out_dir, dtype=getattr(torch, a.dtype), vocab_size=a.vocab_size)
-    print(f"wrote {a.out_dir}/model.safetensors and config.json")
+    export_hf(state_dict, adapter, a.out_dir, dtype=getattr(torch, a.dtype), vocab_size=a.vocab_size)
+    print(f"wrote {a.out_dir}: safetensors and config.json")
     return 0
 
 

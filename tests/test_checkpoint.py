@@ -1,4 +1,4 @@
-"""Checkpoint manager, preemption flag and HF export, on CPU with gloo.
+"""Checkpoint manager and preemption flag, on CPU with gloo.
 
 The models here are toys with our parameter names so the tests do not depend on
 models/. The multi-process test reshards one checkpoint across three meshes inside
@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -28,14 +26,6 @@ sys.path.insert(0, REPO)
 
 from trainer.checkpoint import HOLD_ENV, CheckpointError, CheckpointManager, complete_steps  # noqa: E402
 from trainer.config import Checkpoint, ConfigError  # noqa: E402
-from trainer.export import (  # noqa: E402
-    export_hf,
-    load_safetensors,
-    permute_for_hf_rope,
-    save_safetensors,
-    to_hf_state_dict,
-    write_hf_checkpoint,
-)
 from trainer.preemption import PreemptionHandler  # noqa: E402
 
 ARGS = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "norm_eps": 1e-5,
@@ -435,114 +425,3 @@ def test_reshard_2x2_to_4x1_1x4_and_one_process(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     assert_same({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, ref)
-
-
-# ---------------------------------------------------------------- export
-
-
-def _rope_interleaved(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama reference RoPE: rotate (x[2i], x[2i+1]) as a complex number. x: (seq, heads, hd)."""
-    seq, _, hd = x.shape
-    freqs = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
-    xc = torch.view_as_complex(x.double().reshape(seq, -1, hd // 2, 2))
-    return torch.view_as_real(xc * torch.polar(torch.ones_like(angles), angles)[:, None, :]).reshape(x.shape)
-
-
-def _rope_rotate_half(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """HF Llama RoPE: x * cos + rotate_half(x) * sin, halves paired."""
-    seq, _, hd = x.shape
-    freqs = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
-    emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-    x = x.double()
-    rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], dim=-1)
-    return x * emb.cos() + rotated * emb.sin()
-
-
-def test_permuted_wq_wk_give_same_attention_under_hf_rope():
-    torch.manual_seed(0)
-    dim, n_heads, n_kv, hd, seq = 32, 4, 2, 8, 5
-    wq, wk = torch.randn(n_heads * hd, dim), torch.randn(n_kv * hd, dim)
-    x = torch.randn(seq, dim)
-    ours_q = _rope_interleaved((x @ wq.T).view(seq, n_heads, hd), 1e4)
-    ours_k = _rope_interleaved((x @ wk.T).view(seq, n_kv, hd), 1e4)
-    hf_q = _rope_rotate_half((x @ permute_for_hf_rope(wq, n_heads).T).view(seq, n_heads, hd), 1e4)
-    hf_k = _rope_rotate_half((x @ permute_for_hf_rope(wk, n_kv).T).view(seq, n_kv, hd), 1e4)
-    # Same vectors, only the order inside each head differs: even dims first, then odd.
-    order = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
-    torch.testing.assert_close(hf_q, ours_q[..., order])
-    torch.testing.assert_close(hf_k, ours_k[..., order])
-    kv = torch.arange(n_heads) // (n_heads // n_kv)
-    scores_ours = torch.einsum("shd,thd->hst", ours_q, ours_k[:, kv])
-    scores_hf = torch.einsum("shd,thd->hst", hf_q, hf_k[:, kv])
-    torch.testing.assert_close(scores_hf, scores_ours)
-    assert not torch.allclose(_rope_rotate_half((x @ wq.T).view(seq, n_heads, hd), 1e4), ours_q[..., order])
-
-
-def test_safetensors_round_trip_and_format(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(6).view(2, 3),
-               "d": torch.tensor([True, False]), "e": torch.randn(2, 2).half(), "z": torch.empty(0, 4)}
-    path = str(tmp_path / "t.safetensors")
-    save_safetensors(tensors, path)
-    assert_same(load_safetensors(path), tensors)
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        body = f.read()
-    assert n % 8 == 0 and header["__metadata__"]["format"] == "pt"
-    assert header["b"]["dtype"] == "BF16" and header["c"] == {"dtype": "I64", "shape": [2, 3],
-                                                                 "data_offsets": header["c"]["data_offsets"]}
-    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
-    assert spans[0][0] == 0 and spans[-1][1] == len(body)
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no gaps, no overlap
-    assert torch.equal(torch.frombuffer(bytearray(body[slice(*header["a"]["data_offsets"])]),
-                                        dtype=torch.float32).view(3, 5), tensors["a"])
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        return
-    assert_same(load_file(path), tensors)
-
-
-def test_hf_export_names_permutation_vocab_trim_and_convert_script(tmp_path, world1):
-    torch.manual_seed(0)
-    model = ToyLlama()
-    sd = model.state_dict()
-    hf = to_hf_state_dict(sd, ARGS, vocab_size=50)
-    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    for i in range(2):
-        expected |= {f"model.layers.{i}.{n}.weight" for n in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
-    assert set(hf) == expected
-    assert torch.equal(hf["model.embed_tokens.weight"], sd["tok_embeddings.weight"][:50])
-    assert torch.equal(hf["lm_head.weight"], sd["output.weight"][:50])
-    assert torch.equal(hf["model.layers.1.mlp.gate_proj.weight"], sd["layers.1.feed_forward.w1.weight"])
-    assert torch.equal(hf["model.layers.1.mlp.up_proj.weight"], sd["layers.1.feed_forward.w3.weight"])
-    assert torch.equal(hf["model.layers.1.mlp.down_proj.weight"], sd["layers.1.feed_forward.w2.weight"])
-    assert torch.equal(hf["model.layers.0.post_attention_layernorm.weight"], sd["layers.0.ffn_norm.weight"])
-    wk, hk = sd["layers.0.attention.wk.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
-    assert torch.equal(hk[:4], wk[0:8:2]) and torch.equal(hk[4:8], wk[1:8:2])  # kv head 0: even rows, then odd
-    assert torch.equal(hk[8:12], wk[8:16:2])
-
-    export_hf(model, ARGS, str(tmp_path / "live"), dtype=torch.bfloat16)
-    live = load_safetensors(str(tmp_path / "live" / "model.safetensors"))
-    assert_same(live, to_hf_state_dict(sd, ARGS, dtype=torch.bfloat16))
-    config = json.loads((tmp_path / "live" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (32, 48, 2)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (4, 2, 64)
-    assert config["torch_dtype"] == "bfloat16" and math.isclose(config["rope_theta"], 1e4)
-
-    opt, sched = make_optim(model)
-    mgr = CheckpointManager(Checkpoint(enable=True, folder="ckpt"), dump_folder=str(tmp_path), model=model,
-                            optimizer=opt, lr_scheduler=sched, dataloader=None, model_fingerprint=ARGS)
-    mgr.save(1)
-    import runpy
-
-    convert = runpy.run_path(os.path.join(REPO, "scripts", "convert_to_hf.py"))["main"]
-    assert convert([str(tmp_path / "ckpt" / "step-1"), str(tmp_path / "conv"), "--vocab-size", "50"]) == 0
-    assert_same(load_safetensors(str(tmp_path / "conv" / "model.safetensors")), hf)
-    write_hf_checkpoint(sd, ARGS, str(tmp_path / "direct"), vocab_size=50)
-    assert (tmp_path / "conv" / "config.json").read_text() == (tmp_path / "direct" / "config.json").read_text()

@@ -110,14 +110,14 @@ def test_nan_stops_before_saving_poisoned_state(tmp_path, corpus):
 
 
 def test_export_at_end(tmp_path, corpus):
-    from trainer.export import load_safetensors
+    from safetensors.torch import load_file
 
     dump = tmp_path / "export"
     proc = subprocess.run([sys.executable, "train.py", *RESUME, "--training.dataset_path", corpus,
                            "--training.steps", "2", "--checkpoint.export_hf", "--job.dump_folder", str(dump)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tensors = load_safetensors(str(dump / "checkpoint" / "hf" / "model.safetensors"))
+    tensors = load_file(str(dump / "checkpoint" / "hf" / "model.safetensors"))
     assert tensors["model.embed_tokens.weight"].shape == (100277, 64)  # padding rows trimmed
     assert "model.layers.1.mlp.down_proj.weight" in tensors
     config = json.loads((dump / "checkpoint" / "hf" / "config.json").read_text())

@@ -122,7 +122,10 @@ class Checkpoint:
     export_dtype: str = "float32"  # dtype of the exported final model
     save_on_sigusr1: bool = False  # treat SIGUSR1 like SIGTERM: finish the step, save, exit 0
     preemption_check_freq: int = 5  # ranks agree on a preemption signal every N steps (a CPU all-reduce, no device sync)
-    export_hf: bool = False  # at the end, write <folder>/hf/model.safetensors + config.json (HF Llama)
+    export_hf: bool = False  # at the end, write <folder>/hf/: HF Llama safetensors (+ index) and config.json
+    initial_load_path: str = ""  # with no checkpoint to resume, start from this Hugging Face model folder
+    initial_load_in_hf: bool = False  # initial_load_path holds Hugging Face safetensors (must be true to use it)
+    initial_load_model_only: bool = True  # initial load sets the model only (must stay true for HF weights)
 
 
 @dataclass

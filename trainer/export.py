@@ -1,242 +1,165 @@
-"""Export a Llama model to Hugging Face format: one unsharded .safetensors + config.json.
+"""Export a model in Hugging Face format: safetensors shards (+ index) and config.json.
 
-Our parameter names follow torchtitan and our RoPE rotates interleaved pairs
-(x[2i], x[2i+1]) like the Llama reference code; HF `LlamaForCausalLM` rotates halves
-(x[i], x[i + head_dim/2]). The same attention results from permuting the rows of
-wq and wk inside every head (rows 0,2,4,..., then 1,3,5,...), as Meta's
-Llama -> HF conversion does.
+The model family's adapter (`ModelSpec.hf_adapter`; for Llama, models/llama3/hf.py) names and
+reorders each tensor and writes config.json; this module only streams tensors into files.
 
-Vocabulary: the embedding and output rows padded for TP are kept by default (HF
-`vocab_size` is then the padded size; the tokenizer never emits those ids); pass
-`vocab_size` to trim to the real tokenizer size.
+- Sharded as `save_pretrained` shards: tensors fill a file until the next one would pass
+  `max_shard_bytes` (HF's default, 5 GB; a larger tensor gets a file of its own). One file is
+  `model.safetensors`; several are `model-0000i-of-0000n.safetensors` plus
+  `model.safetensors.index.json`, which maps every tensor to its file.
+- Streamed: a sharded model is gathered one tensor at a time, and rank 0 holds at most one
+  file's tensors in CPU memory, so a 70B export needs neither the model on one rank nor its
+  size in RAM.
+- Published whole: the files go into `<out_dir>.tmp` and are renamed into place at the end,
+  so a crash leaves any previous export as it was.
 
-The `safetensors` package is not a dependency, so the format is written here. It is:
-8-byte little-endian header length N, N bytes of JSON
-`{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}`
-(space-padded to a multiple of 8), then the raw little-endian tensor bytes, offsets
-relative to the end of the header, with no gaps.
+Vocabulary: rows padded for TP are kept (HF `vocab_size` is then the padded size; the
+tokenizer never emits those ids) unless `vocab_size` trims them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import os
-import re
-import struct
-import sys
-from typing import Any
+import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
+from models import HFAdapter
 from trainer.checkpoint import FINGERPRINT
 
-SAFETENSORS_FILE = "model.safetensors"
+logger = logging.getLogger(__name__)
 
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
-
-_HF_NAMES = [
-    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
-    (r"layers\.(\d+)\.attention\.wq\.weight", "model.layers.{}.self_attn.q_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wk\.weight", "model.layers.{}.self_attn.k_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wv\.weight", "model.layers.{}.self_attn.v_proj.weight"),
-    (r"layers\.(\d+)\.attention\.wo\.weight", "model.layers.{}.self_attn.o_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w1\.weight", "model.layers.{}.mlp.gate_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{}.mlp.up_proj.weight"),
-    (r"layers\.(\d+)\.feed_forward\.w2\.weight", "model.layers.{}.mlp.down_proj.weight"),
-    (r"layers\.(\d+)\.attention_norm\.weight", "model.layers.{}.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{}.post_attention_layernorm.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-]
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' and huggingface_hub's "5GB"
 
 
-def hf_name(name: str) -> str:
-    """HF Llama name of one of our parameter names; KeyError for anything else."""
-    for pattern, template in _HF_NAMES:
-        m = re.fullmatch(pattern, name)
-        if m:
-            return template.format(*m.groups())
-    raise KeyError(f"no Hugging Face Llama name for parameter '{name}'")
+@dataclass(frozen=True)
+class _Entry:
+    name: str  # ours
+    hf_name: str
+    numel: int  # as exported: after the vocab trim
+    nbytes: int  # ... in the export dtype
 
 
-def permute_for_hf_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder wq/wk rows per head from interleaved-pair RoPE to HF's rotate_half RoPE."""
-    out_dim, in_dim = weight.shape
-    head_dim = out_dim // n_heads
-    return weight.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+def _plan_shards(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
+    """Group tensors, in order, into files of at most `max_shard_bytes` (a larger tensor alone)."""
+    shards: list[list[_Entry]] = []
+    size = 0
+    for entry in entries:
+        if not shards or size + entry.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
 
 
-def _args_dict(model_args: Any) -> dict:
-    return dataclasses.asdict(model_args) if dataclasses.is_dataclass(model_args) else dict(model_args)
+def _shard_file_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def to_hf_state_dict(
-    state_dict: dict[str, torch.Tensor],
-    model_args: Any,
-    *,
-    vocab_size: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
-    """Rename to HF names, permute wq/wk for rotate_half RoPE, optionally trim vocab and cast.
-
-    `model_args` (dict or dataclass) needs n_heads; n_kv_heads defaults to n_heads.
-    """
-    args = _args_dict(model_args)
-    if not args.get("n_heads"):
-        raise ValueError("model args need n_heads to export wq/wk for Hugging Face RoPE")
-    n_heads = args["n_heads"]
-    n_kv_heads = args.get("n_kv_heads") or n_heads
-    out = {}
-    for name, tensor in state_dict.items():
-        t = tensor.detach()
-        if name.endswith("attention.wq.weight"):
-            t = permute_for_hf_rope(t, n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = permute_for_hf_rope(t, n_kv_heads)
-        elif vocab_size is not None and name in ("tok_embeddings.weight", "output.weight"):
-            if vocab_size > t.shape[0]:
-                raise ValueError(f"vocab_size {vocab_size} is larger than the model's {t.shape[0]} rows")
-            t = t[:vocab_size]
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[hf_name(name)] = t.contiguous()
-    return out
+def _exported_rows(adapter: HFAdapter, name: str, rows: int, vocab_size: int | None) -> int:
+    if vocab_size is None or name not in adapter.vocab_keys:
+        return rows
+    if vocab_size > rows:
+        raise ValueError(f"vocab_size {vocab_size} is larger than the model's {rows} rows of {name}")
+    return vocab_size
 
 
-def hf_config(hf_state_dict: dict[str, torch.Tensor], model_args: Any) -> dict:
-    """config.json for LlamaForCausalLM; sizes come from the tensors, the rest from model args."""
-    args = _args_dict(model_args)
-    embed = hf_state_dict["model.embed_tokens.weight"]
-    vocab, dim = embed.shape
-    n_heads = args["n_heads"]
-    n_layers = len({k.split(".")[2] for k in hf_state_dict if k.startswith("model.layers.")})
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": dim,
-        "intermediate_size": hf_state_dict["model.layers.0.mlp.gate_proj.weight"].shape[0],
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": args.get("n_kv_heads") or n_heads,
-        "head_dim": dim // n_heads,
-        "vocab_size": vocab,
-        "max_position_embeddings": args.get("max_seq_len", 2048),
-        "rms_norm_eps": args.get("norm_eps", 1e-5),
-        "rope_theta": args.get("rope_theta", 10000.0),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "torch_dtype": str(embed.dtype).removeprefix("torch."),
-    }
-    if args.get("use_scaled_rope"):  # Llama 3.1 frequency scaling is HF's "llama3" rope type
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": args["rope_scale_factor"],
-            "low_freq_factor": args["rope_low_freq_factor"],
-            "high_freq_factor": args["rope_high_freq_factor"],
-            "original_max_position_embeddings": args["rope_original_max_seq_len"],
-        }
-    return config
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` (CPU or not, any layout) as one safetensors file."""
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors are little-endian; this writer does not byte-swap")
-    # Largest element size first keeps every tensor aligned to its element size.
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for name in names:
-        t = tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in names:
-            t = tensors[name].detach().to("cpu").contiguous().reshape(-1)
-            if t.numel():
-                f.write(t.view(torch.uint8).numpy())
-
-
-def load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Read a safetensors file written by any writer (used by tests and for checks)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = bytearray(f.read())
-    header.pop("__metadata__", None)
-    out = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        dtype = _ST_TORCH[info["dtype"]]
-        if end == begin:
-            out[name] = torch.empty(info["shape"], dtype=dtype)
-            continue
-        raw = torch.frombuffer(data, dtype=torch.uint8, offset=begin, count=end - begin).clone()
-        out[name] = raw.view(dtype).reshape(info["shape"])
-    return out
-
-
-def write_hf_checkpoint(
-    state_dict: dict[str, torch.Tensor],
-    model_args: Any,
-    out_dir: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    vocab_size: int | None = None,
-) -> None:
-    """Write `<out_dir>/model.safetensors` and `<out_dir>/config.json` from a full, unsharded state dict."""
-    hf = to_hf_state_dict(state_dict, model_args, vocab_size=vocab_size, dtype=dtype)
-    os.makedirs(out_dir, exist_ok=True)
-    save_safetensors(hf, os.path.join(out_dir, SAFETENSORS_FILE))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(hf, model_args), f, indent=2)
+def _to_hf_tensor(
+    adapter: HFAdapter, name: str, tensor: torch.Tensor, *, dtype: torch.dtype, vocab_size: int | None = None
+) -> torch.Tensor:
+    """One full tensor of ours as HF stores it: reordered, vocab rows trimmed, cast, on the CPU."""
+    t = adapter.to_hf(name, tensor.detach())
+    t = t[: _exported_rows(adapter, name, t.shape[0], vocab_size)]
+    if t.is_floating_point():
+        t = t.to(dtype)
+    return t.to("cpu").contiguous()
 
 
 def export_hf(
-    model: nn.Module,
-    model_args: Any,
+    state_dict: dict[str, torch.Tensor],
+    adapter: HFAdapter,
     out_dir: str,
     *,
     dtype: torch.dtype = torch.float32,
     vocab_size: int | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Gather the (FSDP/TP-sharded) model onto rank 0's CPU and write it in HF format there.
+    """Write the HF folder of a model state dict: full tensors, or the DTensor shards of
+    `get_model_state_dict` on a mesh, gathered one tensor at a time.
 
-    Collective when distributed: call it on every rank.
+    Collective when distributed: call it on every rank; rank 0 writes.
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    entries = []
+    for name, t in state_dict.items():
+        rows = _exported_rows(adapter, name, t.shape[0], vocab_size)
+        numel = rows * t.shape[1:].numel()
+        entries.append(_Entry(name, adapter.hf_name(name), numel, numel * dtype.itemsize))
+    shards = _plan_shards(entries, max_shard_bytes)
+    files = _shard_file_names(len(shards))
+
+    out_dir = os.path.normpath(out_dir)
+    tmp = out_dir + ".tmp"
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed export
+        os.makedirs(tmp)
+    for file, shard in zip(files, shards):
+        tensors = {}
+        for entry in shard:
+            t = state_dict[entry.name]
+            full = t.full_tensor() if isinstance(t, DTensor) else t  # every rank, in the same order
+            if writer:
+                tensors[entry.hf_name] = _to_hf_tensor(adapter, entry.name, full, dtype=dtype, vocab_size=vocab_size)
+            del full
+        if writer:
+            save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+    if not writer:
         return
-    write_hf_checkpoint(full, model_args, out_dir, dtype=dtype, vocab_size=vocab_size)
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_parameters": sum(e.numel for e in entries),
+                         "total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.hf_name: file for file, shard in zip(files, shards) for e in shard},
+        }
+        with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        json.dump(adapter.hf_config(dtype=dtype, vocab_size=vocab_size), f, indent=2)
+    _publish(tmp, out_dir)
+    logger.info(f"exported {len(entries)} tensors in {len(files)} safetensors file(s) to {out_dir}")
+
+
+def _publish(tmp: str, out_dir: str) -> None:
+    """Replace `out_dir` by `tmp`; the previous export stays whole until the new one is."""
+    old = out_dir + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(out_dir):
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def foreign_files(out_dir: str) -> list[str]:
+    """Files in `out_dir` that an export did not write (an export replaces the whole folder)."""
+    if not os.path.isdir(out_dir):
+        return []
+    ours = {INDEX_FILE, CONFIG_FILE}
+    return sorted(n for n in os.listdir(out_dir) if n not in ours and not n.endswith(".safetensors"))
 
 
 def load_dcp_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:

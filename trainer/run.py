@@ -23,6 +23,7 @@ from parallel.mesh import ParallelConfigError, ParallelDims
 from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
 from trainer.config import DTYPES, JobConfig
 from trainer.errors import CheckpointError, ConfigError
+from trainer.initial_load import resolve_initial_load
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ResolvedRun:
     grad_accum_steps: int  # micro-batches per step on each data-parallel rank
     paths: RunPaths
     resume_step: int | None  # checkpoint step to resume from; None starts fresh
+    initial_load_path: str | None  # Hugging Face weights to start from when nothing is resumed
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,6 +95,8 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         grad_accum_steps=global_batch // (cfg.training.local_batch_size * dims.dp),
         paths=paths,
         resume_step=resume_step,
+        initial_load_path=resolve_initial_load(cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf,
+                                               cfg.checkpoint.initial_load_model_only),
     )
 
 

@@ -18,6 +18,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -32,6 +33,7 @@ from trainer.config import DTYPES, to_toml
 from trainer.data import build_dataloader
 from trainer.errors import NonFiniteError
 from trainer.export import export_hf
+from trainer.initial_load import load_hf_weights
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.preemption import PreemptionHandler
@@ -73,6 +75,7 @@ class Trainer:
         self.tokenizer = run.tokenizer
         self.meshes = run.dims.build_meshes(run.device.type)
         self.dp_rank = self.meshes.dp.get_local_rank()
+        self.hf_adapter = run.spec.hf_adapter(run.model_args)
 
         self.model = build_model(run, self.meshes)
         self.num_params = self.model.num_params()
@@ -172,6 +175,10 @@ class Trainer:
         resume passed, is anything written to the dump folder."""
         cfg, run = self.cfg, self.run
         self.step = self.checkpointer.load()
+        if self.step and run.initial_load_path:
+            logger.info(f"resumed from step {self.step}; checkpoint.initial_load_path not used")
+        elif run.initial_load_path:  # only without a checkpoint to resume: a resume always wins
+            load_hf_weights(self.model, self.hf_adapter, run.initial_load_path, vocab_size=self.tokenizer.n_words)
         if self.rank == 0:
             with open(os.path.join(run.paths.dump, "config.toml"), "w") as f:
                 f.write(to_toml(cfg))
@@ -231,9 +238,8 @@ class Trainer:
         self.checkpointer.wait()
         if cfg.checkpoint.export_hf and self.step == cfg.training.steps:
             out = os.path.join(self.run.paths.checkpoint, "hf")
-            export_hf(self.model, self.run.model_args, out, dtype=DTYPES[cfg.checkpoint.export_dtype],
-                      vocab_size=self.tokenizer.n_words)
-            logger.info(f"exported Hugging Face Llama weights to {out}")
+            export_hf(get_model_state_dict(self.model), self.hf_adapter, out,
+                      dtype=DTYPES[cfg.checkpoint.export_dtype], vocab_size=self.tokenizer.n_words)
 
     def close_local(self) -> None:
         """Cleanup without collectives, for an error that may have hit this rank alone."""

@@ -1,6 +1,7 @@
 from models import ModelSpec
 from models.llama3 import parallelize
 from models.llama3.args import FLAVORS, flavor_args, padded_vocab_size
+from models.llama3.hf import hf_adapter
 from models.llama3.model import Transformer
 
 spec = ModelSpec(
@@ -14,4 +15,5 @@ spec = ModelSpec(
     tp_divisible_sizes=parallelize.tp_divisible_sizes,
     blocks=parallelize.blocks,
     fsdp_units=parallelize.fsdp_units,
+    hf_adapter=hf_adapter,
 )
