@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.export import load_dcp_model_state_dict, read_model_args, write_hf_checkpoint  # noqa: E402
+from trainer.checkpoint_safety import CheckpointReadError, load_model_state_dict  # noqa: E402
+from trainer.export import read_model_args, write_hf_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     model_args.update({k: v for k, v in overrides.items() if v is not None})
     if not model_args.get("n_heads"):
         p.error("the checkpoint stores no model args; pass at least --n-heads (and --n-kv-heads, --rope-theta)")
-    state_dict = load_dcp_model_state_dict(a.checkpoint_dir)
+    try:
+        state_dict = load_model_state_dict(a.checkpoint_dir)  # runs no code stored in the checkpoint
+    except CheckpointReadError as e:
+        print(f"convert_to_hf: {e}", file=sys.stderr)
+        return 2
     write_hf_checkpoint(state_dict, model_args, a.out_dir, dtype=getattr(torch, a.dtype), vocab_size=a.vocab_size)
     print(f"wrote {a.out_dir}/model.safetensors and config.json")
     return 0

@@ -29,10 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.checkpoint import FINGERPRINT
@@ -237,21 +234,6 @@ def export_hf(
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     write_hf_checkpoint(full, model_args, out_dir, dtype=dtype, vocab_size=vocab_size)
-
-
-def load_dcp_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """Unsharded model state dict of a DCP checkpoint written by CheckpointManager, no process group needed."""
-    reader = FileSystemReader(ckpt_dir)
-    metadata = reader.read_metadata()
-    model_sd = {
-        key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
-    if not model_sd:
-        raise ValueError(f"{ckpt_dir} holds no model tensors (not a weft checkpoint?)")
-    dcp.load({"model": model_sd}, storage_reader=reader, no_dist=True)
-    return model_sd
 
 
 def read_model_args(ckpt_dir: str) -> dict:
