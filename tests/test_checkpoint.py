@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -268,7 +269,10 @@ def test_fingerprint_mismatch_and_corruption_leave_folder_unchanged(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     corrupt = tree_digest(folder)
-    _, _, _, _, mgr3 = build(str(tmp_path), seed=2)
+    _, _, _, _, checked = build(str(tmp_path), seed=2)
+    with pytest.raises(CheckpointError, match=f"no checkpoint .* matches its manifest .*{shard} has"):
+        checked.load()
+    _, _, _, _, mgr3 = build(str(tmp_path), seed=2, verify=False)  # what DCP itself says of the truncated file
     with pytest.raises(CheckpointError, match="step-1 is unreadable"):
         mgr3.load()
     assert tree_digest(folder) == corrupt
@@ -399,6 +403,22 @@ def _reshard_worker(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             assert_same(got, ref)
         assert loader2.samples == 16 and sched2.last_epoch == 2
+
+    # A flipped byte in the file that rank 3 verifies stops every rank with the same error.
+    shard = os.path.join(tmp, "ckpt", "step-2", "__3_0.distcp")
+    if rank == 0:
+        shutil.copy(shard, shard + ".bak")
+        with open(shard, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* matches its manifest .*__3_0\.distcp: bytes 0-"):
+        mgr2.load()
+    dist.barrier()
+    if rank == 0:
+        os.replace(shard + ".bak", shard)
 
     handler = PreemptionHandler(signals=(signal.SIGUSR1,))
     assert not handler.should_stop()

@@ -118,6 +118,7 @@ class Checkpoint:
     export_dtype: str = "float32"  # dtype of the exported final model
     save_on_sigusr1: bool = False  # treat SIGUSR1 like SIGTERM: finish the step, save, exit 0
     export_hf: bool = False  # at the end, write <folder>/hf/model.safetensors + config.json (HF Llama)
+    verify: bool = True  # on resume, check every file against the checkpoint's manifest (size + crc32)
 
 
 @dataclass

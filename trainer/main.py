@@ -101,6 +101,7 @@ def _configure_determinism(cfg: JobConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from trainer.checkpoint import CheckpointWriteError, NonFiniteStateError
     from trainer.compile_health import RecompileBudgetExceeded
     from trainer.trainer import NonFiniteLossError, Trainer
 
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         _print0(f"weft: config error: {e}", err=True)
         return EXIT_CONFIG_ERROR
-    except (NonFiniteLossError, RecompileBudgetExceeded) as e:
+    except (NonFiniteLossError, NonFiniteStateError, CheckpointWriteError, RecompileBudgetExceeded) as e:
         _print0(f"weft: {e}", err=True)
         return 1
     except BaseException:
