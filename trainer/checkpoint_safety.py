@@ -19,15 +19,16 @@ someone else could run a command on resume or in `scripts/convert_to_hf.py`.
 - `WeightsOnlyLoadPlanner` loads every non-tensor item with `torch.load(weights_only=True)`.
 
 Anything refused raises `CheckpointReadError`, one line naming the file. So do a missing
-or garbage `.metadata` (read up front, before DCP, whose own fallback logs two
-tracebacks) and any other failure inside DCP.
+or garbage `.metadata` and any other failure inside DCP. `.metadata` is read and checked
+up front, on every rank, before DCP runs: when DCP's own read fails, its loader
+(`state_dict_loader.py`, torch 2.11-2.13) logs the error with a traceback on the root
+logger, tries a per-rank `__<rank>.metadata`, and logs a second traceback. Reading it first
+means DCP only ever gets the cached, valid metadata.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
 import os
 import pathlib
 import pickle
@@ -182,29 +183,7 @@ def root_cause(e: BaseException) -> str:
     return _reason(e)
 
 
-class _DropDCPTracebacks(logging.Filter):
-    """Drops records that DCP logs with a traceback; the error still reaches the caller."""
-
-    _prefix = os.path.dirname(dcp.__file__)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and record.pathname.startswith(self._prefix))
-
-
-@contextlib.contextmanager
-def _quiet_dcp_tracebacks() -> Iterator[None]:
-    # DCP logs through the root logger (torch 2.11-2.13 state_dict_loader.py); handlers see
-    # records after the logger's own filters, so one filter on the root logger suffices.
-    root = logging.getLogger()
-    quiet = _DropDCPTracebacks()
-    root.addFilter(quiet)
-    try:
-        yield
-    finally:
-        root.removeFilter(quiet)
-
-
-def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
+def _raise_if_any_failed(error: str | None, group: dist.ProcessGroup | None) -> None:
     """Raise on every rank if any rank failed, so no rank enters DCP's collectives alone."""
     errors = [error]
     if group is not None:
@@ -227,11 +206,10 @@ def safe_dcp_load(state: dict[str, Any], path: str, process_group: dist.ProcessG
         reader.read_metadata()
     except CheckpointReadError as e:
         error = str(e)
-    _agree(error, process_group)
+    _raise_if_any_failed(error, process_group)
     try:
-        with _quiet_dcp_tracebacks():
-            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(path),
-                     process_group=process_group, no_dist=process_group is None)
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(path),
+                 process_group=process_group, no_dist=process_group is None)
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
         refused = next((c for c in iter_causes(e) if isinstance(c, CheckpointReadError)), None)
         if refused is not None:
