@@ -19,12 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models import MODEL_NAMES, get_model_spec  # noqa: E402
-from trainer.export import (  # noqa: E402
-    export_hf,
-    foreign_files,
-    load_dcp_model_state_dict,
-    read_model_args,
-)
+from trainer.checkpoint_safety import CheckpointReadError, load_model_state_dict  # noqa: E402
+from trainer.export import export_hf, foreign_files, read_model_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{a.out_dir} holds files an export does not write (e.g. {foreign[0]}) and would be replaced; "
                 "pass a new or empty folder")
     adapter = get_model_spec(a.model).hf_adapter(model_args)
-    state_dict = load_dcp_model_state_dict(a.checkpoint_dir)
+    try:
+        state_dict = load_model_state_dict(a.checkpoint_dir)  # runs no code stored in the checkpoint
+    except CheckpointReadError as e:
+        print(f"convert_to_hf: {e}", file=sys.stderr)
+        return 2
     export_hf(state_dict, adapter, a.out_dir, dtype=getattr(torch, a.dtype), vocab_size=a.vocab_size)
     print(f"wrote {a.out_dir}: safetensors and config.json")
     return 0

@@ -36,9 +36,9 @@ def main() -> None:
     results = {}
     for index, run in enumerate(runs):
         cfg = load_config(base + run + ["--job.dump_folder", f"{out_path}.run{index}"])
-        run = resolve_run(cfg, dist.get_world_size())
+        resolved = resolve_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
-        trainer = Trainer(run)
+        trainer = Trainer(resolved)
         trainer.train()
         trainer.close()
         # Each run is a separate training job: drop compiled code that captured the previous

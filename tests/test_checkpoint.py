@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,7 +260,10 @@ def test_fingerprint_mismatch_and_corruption_leave_folder_unchanged(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     corrupt = tree_digest(folder)
-    _, _, _, _, mgr3 = build(str(tmp_path), seed=2)
+    _, _, _, _, checked = build(str(tmp_path), seed=2)
+    with pytest.raises(CheckpointError, match=f"no checkpoint .* matches its manifest .*{shard} has"):
+        checked.load()
+    _, _, _, _, mgr3 = build(str(tmp_path), seed=2, verify=False)  # what DCP itself says of the truncated file
     with pytest.raises(CheckpointError, match="step-1 is unreadable"):
         mgr3.load()
     assert tree_digest(folder) == corrupt
@@ -317,11 +321,13 @@ def test_sigkill_mid_save_keeps_previous_and_keep_latest_k(tmp_path):
 
 
 def test_preemption_flag_single_process():
-    handler = PreemptionHandler(signals=(signal.SIGUSR1,))
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,), check_freq=3)
     try:
-        assert not handler.should_stop()
+        assert not handler.should_stop(3)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert handler.should_stop()
+        assert not handler.should_stop(4)  # only multiples of check_freq look at the flag
+        assert handler.should_stop(6)
+        assert handler.should_stop(7, force_check=True)
     finally:
         handler.close()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
@@ -391,11 +397,28 @@ def _reshard_worker(rank: int, world: int, tmp: str) -> None:
             assert_same(got, ref)
         assert loader2.samples == 16 and sched2.last_epoch == 2
 
-    handler = PreemptionHandler(signals=(signal.SIGUSR1,))
-    assert not handler.should_stop()
+    # A flipped byte in the file that rank 3 verifies stops every rank with the same error.
+    shard = os.path.join(tmp, "ckpt", "step-2", "__3_0.distcp")
+    if rank == 0:
+        shutil.copy(shard, shard + ".bak")
+        with open(shard, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* matches its manifest .*__3_0\.distcp: bytes 0-"):
+        mgr2.load()
+    dist.barrier()
+    if rank == 0:
+        os.replace(shard + ".bak", shard)
+
+    handler = PreemptionHandler(signals=(signal.SIGUSR1,), check_freq=2)
+    assert not handler.should_stop(2)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
-    assert handler.should_stop()  # every rank agrees, not only rank 1
+    assert not handler.should_stop(3)  # a step that does not check: no collective, no stop
+    assert handler.should_stop(4)  # every rank agrees, not only rank 1
     handler.close()
     dist.destroy_process_group()
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from tests.dist_utils import ROOT, run_distributed
 from tests.test_parallel_parity import BASE, launch

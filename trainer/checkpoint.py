@@ -12,6 +12,7 @@ Layout under `<dump_folder>/<checkpoint.folder>/`:
         rng-rank<r>.pt        each rank: torch CPU (+ CUDA) RNG state
         config.toml           resolved config of the run that saved it
         fingerprint.json      param name -> global shape, plus the model args
+        manifest.json         size and crc32 of every file above (checkpoint_manifest)
     step-<N>.tmp/             being written, or left by a crashed save
     step-<N>.old/             being deleted
 
@@ -20,17 +21,25 @@ only once every rank's data and DCP's `.metadata` are on disk: the rename is the
 completion marker, so a crash at any point leaves the previous checkpoints intact
 and `load()` never sees a partial one. Leftover `.tmp`/`.old` folders are ignored
 and removed by the next successful save.
+
+What is saved is checked first: a model whose parameters hold NaN/Inf is never saved
+(NonFiniteError), and a save that fails to write (a full disk) removes its `.tmp`
+folder and stops the run (CheckpointWriteError), leaving the previous checkpoints as they
+were. On resume, files are checked against the manifest (falling back to the newest
+checkpoint that passes) and read without running code from them (checkpoint_safety).
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import logging
 import os
 import re
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -38,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,7 +55,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.errors import CheckpointError, ConfigError
+from trainer import checkpoint_manifest as manifest
+from trainer.checkpoint_safety import CheckpointReadError, iter_causes, root_cause, safe_dcp_load
+from trainer.errors import CheckpointError, CheckpointWriteError, ConfigError, NonFiniteError
+from trainer.optim import apply_hyperparameters, hyperparameters
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +93,11 @@ def complete_steps(folder: str) -> list[int]:
 def read_trainer_state(path: str) -> dict:
     """The small trainer state of checkpoint folder `path` (step, schedule, data position)."""
     file = os.path.join(path, TRAINER_STATE)
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or "step" not in state:
-            raise ValueError("not a trainer state dict")
-        return state
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint file {file} is missing or corrupt ({type(e).__name__}: {e}). "
-            "Set checkpoint.load_step to another complete step, or move that folder away."
-        ) from e
+    state = _load_small_file(file)
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint file {file} is corrupt (not a trainer state dict). "
+                              "Set checkpoint.load_step to another complete step, or move that folder away.")
+    return state
 
 
 def param_shapes(state_dict: dict[str, Any]) -> dict[str, list[int]]:
@@ -106,12 +114,16 @@ def _fsync_dir(path: str) -> None:
 
 
 def _save_file(obj: Any, path: str) -> None:
-    """Write text/bytes as is, anything else with torch.save; fsync so the rename never publishes a torn file."""
+    """Write text/bytes as is, anything else with torch.save; fsync so the rename never publishes a torn file.
+
+    torch.save goes to memory first: written straight to the file, a full disk surfaces as
+    torch's "enforce fail at inline_container.cc" instead of the OSError (ENOSPC) it is."""
+    if not isinstance(obj, (bytes, str)):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        obj = buffer.getbuffer()
     with open(path, "wb") as f:
-        if isinstance(obj, (bytes, str)):
-            f.write(obj.encode() if isinstance(obj, str) else obj)
-        else:
-            torch.save(obj, f)
+        f.write(obj.encode() if isinstance(obj, str) else obj)
         f.flush()
         os.fsync(f.fileno())
 
@@ -129,14 +141,38 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _root_cause(e: BaseException) -> str:
-    """One line naming the first rank's error inside DCP's CheckpointException."""
-    if isinstance(e, dcp.CheckpointException) and e.failures:
-        rank, failure = next(iter(e.failures.items()))
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        return f"rank {rank}: {_root_cause(inner)}"
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+def _load_small_file(file: str) -> Any:
+    """torch.load(weights_only=True) of one of our own small files, failing in one line."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint file {file} is missing or corrupt ({root_cause(e)}). "
+            "Set checkpoint.load_step to another complete step, or move that folder away."
+        ) from None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
 
 
 @dataclass
@@ -202,6 +238,8 @@ class CheckpointManager:
         # DCP only exchanges small pickled plans, never tensor data.
         self.pg = dist.new_group(backend="gloo") if self.distributed else None
         self._pending: _Pending | None = None
+        # Runs an async save's manifest after its upload, in the background like the upload.
+        self._sealer = ThreadPoolExecutor(max_workers=1) if self.is_async else None
 
     # ---------------------------------------------------------------- save
 
@@ -232,38 +270,73 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self._sealer is not None:
+            self._sealer.shutdown()
 
     def _save(self, step: int, *, model_only: bool) -> None:
         self._finish_pending()  # never two saves at once
         started = time.monotonic()
-        final = step_dir(self.folder, step)
-        tmp = final + ".tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed run that reached this step too
-            os.makedirs(tmp)
-        self._barrier()
-
         model_sd = get_model_state_dict(self.model)
         if model_only:
             model_sd = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in model_sd.items()}
+        self._check_finite(step, model_sd)
+        final = step_dir(self.folder, step)
+        tmp = final + ".tmp"
+        try:
+            self._agree(lambda: self._make_tmp(tmp) if self.rank == 0 else None)  # also the barrier before writing
+            self._agree(lambda: self._write_small_files(tmp, step, model_sd, model_only))
             state: dict[str, Any] = {"model": model_sd}
-        else:
-            state = {"model": model_sd, "optim": get_optimizer_state_dict(self.model, self.optimizer)}
-        self._write_small_files(tmp, step, model_sd, model_only)
-
-        if self.is_async and not model_only:
-            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.pg)
-            # Newer torch returns an AsyncSaveResponse (staging + upload futures) when the
-            # stager is asynchronous; 2.11 and 2.13 return the upload future here.
-            future = getattr(response, "upload_completion", response)
-            self._pending = _Pending(step, tmp, final, future, started)
-            if self.rank == 0:
-                logger.info(f"checkpoint step {step}: staged in {time.monotonic() - started:.2f}s, writing in background")
-        else:
+            if not model_only:
+                state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+            if self.is_async and not model_only:
+                response = dcp.async_save(state, checkpoint_id=tmp, process_group=self.pg)
+                # Newer torch returns an AsyncSaveResponse (staging + upload futures) when the
+                # stager is asynchronous; 2.11 and 2.13 return the upload future here.
+                upload = getattr(response, "upload_completion", response)
+                future = self._sealer.submit(self._seal_after, upload, tmp)
+                self._pending = _Pending(step, tmp, final, future, started)
+                if self.rank == 0:
+                    logger.info(f"checkpoint step {step}: staged in {time.monotonic() - started:.2f}s, writing in background")
+                return
             dcp.save(state, checkpoint_id=tmp, process_group=self.pg, no_dist=not self.distributed)
-            self._pending = _Pending(step, tmp, final, None, started)
-            self._finish_pending()
-            self._barrier()
+            sealed = self._seal(tmp)
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+            self._fail_save(step, tmp, e)
+        self._pending = _Pending(step, tmp, final, None, started)
+        self._finish_pending(sealed)
+        self._barrier()
+
+    @torch.no_grad()
+    def _check_finite(self, step: int, model_sd: dict[str, Any]) -> None:
+        """Refuse to save NaN/Inf weights: one fused reduction over the local shards, one all-reduce.
+
+        `torch._foreach_norm` (what clip_grad_norm_ uses; torch 2.11-2.14) gives every
+        tensor's L1 norm in one kernel per dtype: NaN and Inf always propagate through its
+        sum. Huge finite weights can overflow it too, so a tensor it flags is confirmed
+        with `isfinite` before it counts. Collective: every rank raises or none does."""
+        names = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        local = [_local(model_sd[k]) for k in names]
+        bad = torch.zeros(len(names), dtype=torch.int32)
+        if local:
+            norms = torch._foreach_norm(local, 1)
+            suspects = (~torch.stack([n.float() for n in norms]).isfinite()).nonzero().flatten().tolist()
+            for i in suspects:
+                bad[i] = int(not torch.isfinite(local[i]).all())
+        if self.distributed:
+            dist.all_reduce(bad, group=self.pg)
+        if bad.any():
+            which = [names[i] for i in bad.nonzero().flatten().tolist()]
+            newest = complete_steps(self.folder)
+            raise NonFiniteError(
+                f"the model holds NaN/Inf at step {step} ({len(which)} tensors, e.g. {which[0]}); not saving it. "
+                f"The newest checkpoint is {f'step-{newest[-1]}' if newest else 'none'} in {self.folder}. "
+                "Lower optimizer.lr or optimizer.weight_decay, or raise lr_scheduler.warmup_steps."
+            )
+
+    @staticmethod
+    def _make_tmp(tmp: str) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed run that reached this step too
+        os.makedirs(tmp)
 
     def _write_small_files(self, tmp: str, step: int, model_sd: dict, model_only: bool) -> None:
         _save_file(_rng_state(), os.path.join(tmp, f"rng-rank{self.rank}.pt"))
@@ -282,17 +355,86 @@ class CheckpointManager:
         fingerprint = {"params": param_shapes(model_sd), "model_args": self.model_args}
         _save_file(json.dumps(fingerprint, indent=1, sort_keys=True), os.path.join(tmp, FINGERPRINT))
 
-    def _finish_pending(self) -> None:
-        """Wait for the pending write, then (rank 0) publish it by renaming and prune old ones.
+    def _seal(self, tmp: str) -> float:
+        """Write `tmp/manifest.json` covering every file of the save; return the seconds it took.
 
-        Rank 0's DCP save returns only after every rank's data is written and the
-        global `.metadata` is on disk, so rank 0 can rename without a barrier.
+        Collective: rank 0 lists the folder, each rank checksums its share of the files (those
+        it wrote, as far as their names tell, then the rest balanced by size), rank 0 writes."""
+        started = time.monotonic()
+        listing = [manifest.list_files(tmp) if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(listing, src=0, group=self.pg)
+        mine = manifest.assign(listing[0], self.world_size)[self.rank]
+        parts = self._agree(lambda: manifest.checksum(tmp, mine))
+        entries = {name: entry for part in parts for name, entry in part.items()}
+        self._agree(lambda: manifest.write(tmp, entries) if self.rank == 0 else None)
+        return time.monotonic() - started
+
+    def _seal_after(self, upload: Future, tmp: str) -> float:
+        upload.result()
+        return self._seal(tmp)
+
+    def _agree(self, fn: Callable[[], Any]) -> list[Any]:
+        """Run `fn` on every rank and return every rank's result. If it raised on any rank, raise
+        on all (that rank's own error; the others get its kind and text), so no rank is left
+        waiting in a collective alone. Collective."""
+        try:
+            result, error = fn(), None
+        except Exception as e:
+            result, error = None, e
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return [result]
+        report = None
+        if error is not None:
+            report = (isinstance(error, CheckpointError), getattr(error, "errno", None), root_cause(error))
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (result, report), group=self.pg)
+        if error is not None:
+            raise error
+        for rank, (_, failed) in enumerate(gathered):
+            if failed is not None:
+                is_checkpoint_error, code, text = failed
+                if is_checkpoint_error:
+                    raise CheckpointError(f"rank {rank}: {text}")
+                raise OSError(code, f"rank {rank}: {text}") if code else RuntimeError(f"rank {rank}: {text}")
+        return [r for r, _ in gathered]
+
+    def _fail_save(self, step: int, tmp: str, error: BaseException) -> None:
+        """Remove the partial save and raise CheckpointWriteError in one line (disk full: where, how much free)."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        newest = complete_steps(self.folder)
+        kept = (f"the previous checkpoint step-{newest[-1]} is intact ({_size_text(_folder_bytes(step_dir(self.folder, newest[-1])))})"
+                if newest else "there is no earlier checkpoint")
+        if any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in iter_causes(error)):
+            disk = _mount_point(self.folder)
+            free = shutil.disk_usage(self.folder).free
+            raise CheckpointWriteError(
+                f"no space left on the disk of {self.folder} (mounted at {disk}) while saving checkpoint step {step}: "
+                f"{_size_text(free)} free after removing the partial save; {kept}. Free space on {disk}, lower "
+                "checkpoint.keep_latest_k, or set checkpoint.folder to an absolute path on another disk."
+            ) from None
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {step} to {tmp} ({root_cause(error)}); {kept}."
+        ) from None
+
+    def _finish_pending(self, sealed: float | None = None) -> None:
+        """Wait for the pending write and its manifest, then (rank 0) publish it by renaming and prune old ones.
+
+        Every rank's DCP save returns only after all data and the global `.metadata` are
+        on disk, and the manifest is written by rank 0 after all ranks' checksums reached
+        it, so rank 0 can rename without a barrier.
         """
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending.future is not None:
-            pending.future.result()
+            try:
+                sealed = pending.future.result()
+            except (Exception, dcp.CheckpointException) as e:
+                self._fail_save(pending.step, pending.tmp, e)
         if self.rank != 0:
             return
         hold = float(os.environ.get(HOLD_ENV, "0"))
@@ -304,7 +446,8 @@ class CheckpointManager:
         os.rename(pending.tmp, pending.final)
         _fsync_dir(self.folder)
         self._prune(keep=pending.step)
-        logger.info(f"checkpoint step {pending.step} saved to {pending.final} in {time.monotonic() - pending.started:.2f}s")
+        logger.info(f"checkpoint step {pending.step} saved to {pending.final} in "
+                    f"{time.monotonic() - pending.started:.2f}s (manifest {sealed:.2f}s)")
 
     def _prune(self, keep: int) -> None:
         """Remove leftovers and all but the newest keep_latest_k complete checkpoints.
@@ -331,7 +474,10 @@ class CheckpointManager:
     # ---------------------------------------------------------------- load
 
     def load(self) -> int:
-        """Restore the checkpoint picked by load_step (-1 = newest complete); return its step, or 0 if none."""
+        """Restore the checkpoint picked by load_step (-1 = newest that verifies); return its step, or 0 if none.
+
+        The optimizer's hyper-parameters and the schedule's peak lr are the ones this run was
+        built with (its config), not the saved ones; each change is logged."""
         if not self.enable:
             return 0
         self._finish_pending()
@@ -349,20 +495,24 @@ class CheckpointManager:
         if not model_only:
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         try:
-            dcp.load(state, checkpoint_id=path, process_group=self.pg, no_dist=not self.distributed)
-        except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+            safe_dcp_load(state, path, self.pg)
+        except CheckpointReadError as e:
             raise CheckpointError(
-                f"checkpoint {path} is unreadable ({_root_cause(e)}). "
-                "Set checkpoint.load_step to another complete step, or move that folder away."
-            ) from e
+                f"{e}. Set checkpoint.load_step to another complete step, or move that folder away."
+            ) from None
         set_model_state_dict(self.model, state["model"])
         if model_only:
             if self.rank == 0:
                 logger.warning(f"{path} holds model weights only: optimizer, scheduler and data state start fresh")
         else:
+            configured = hyperparameters(self.optimizer, self.lr_scheduler) if self.lr_scheduler is not None else None
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
             if self.lr_scheduler is not None and trainer_state["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
+            if configured is not None:
+                for change in apply_hyperparameters(self.optimizer, self.lr_scheduler, configured):
+                    if self.rank == 0:
+                        logger.info(f"{change} (config differs from checkpoint; using the config)")
             if self.dataloader is not None and trainer_state["dataloader"] is not None:
                 self.dataloader.load_state_dict(trainer_state["dataloader"])
             self._restore_rng(path, trainer_state["world_size"])
@@ -373,15 +523,17 @@ class CheckpointManager:
         return step
 
     def _choose(self) -> str | None:
-        """Rank 0 picks the folder and tells the others, so all ranks load the same one."""
+        """The folder to load: load_step, or the newest complete checkpoint that verifies.
+
+        Rank 0 picks the candidates and tells the others, so all ranks load the same one."""
         choice: list[Any] = [None]
         if self.rank == 0:
             steps = complete_steps(self.folder)
             want = self.cfg.load_step
             if want == -1:
-                choice[0] = steps[-1] if steps else None
+                choice[0] = steps[::-1]
             elif want in steps:
-                choice[0] = want
+                choice[0] = [want]
             else:
                 choice[0] = (
                     f"checkpoint.load_step = {want} but {self.folder} has no complete step-{want} "
@@ -392,7 +544,53 @@ class CheckpointManager:
             dist.broadcast_object_list(choice, src=0, group=self.pg)
         if isinstance(choice[0], str):
             raise CheckpointError(choice[0])
-        return None if choice[0] is None else step_dir(self.folder, choice[0])
+        candidates = choice[0]
+        if not candidates:
+            return None
+        if not self.cfg.verify:
+            return step_dir(self.folder, candidates[0])
+        failures = []
+        for step in candidates:
+            path = step_dir(self.folder, step)
+            problems = self._verify(path)
+            if not problems:
+                if failures and self.rank == 0:
+                    logger.warning(f"resuming from {path} instead, the newest checkpoint that verifies")
+                return path
+            failures.append(problems[0])
+            if self.rank == 0:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                logger.warning(f"checkpoint {path} is damaged, skipping it: {problems[0]}{more}")
+        raise CheckpointError(
+            f"no checkpoint in {self.folder} matches its manifest ({'; '.join(failures)}). "
+            "Restore the files, point checkpoint.load_step elsewhere, or pass --checkpoint.no-verify to load anyway."
+        )
+
+    def _verify(self, path: str) -> list[str]:
+        """Damage found in `path` against its manifest; [] when it matches or has none. Collective:
+        the files are split over the ranks so each is read once."""
+        head: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                head[0] = manifest.read(path)
+            except manifest.ManifestError as e:
+                head[0] = str(e)
+        if self.distributed:
+            dist.broadcast_object_list(head, src=0, group=self.pg)
+        entries = head[0]
+        if isinstance(entries, str):
+            return [entries]
+        if entries is None:
+            if self.rank == 0:
+                logger.warning(f"checkpoint {path} has no {manifest.MANIFEST} (saved by an older weft): loading it unverified")
+            return []
+        mine = manifest.assign({name: e["size"] for name, e in entries.items()}, self.world_size)[self.rank]
+        found = manifest.compare(path, {name: entries[name] for name in mine})
+        if not self.distributed:
+            return found
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, found, group=self.pg)
+        return [p for part in everyone for p in part]
 
     def _check_fingerprint(self, path: str, model_sd: dict) -> None:
         file = os.path.join(path, FINGERPRINT)
@@ -425,9 +623,19 @@ class CheckpointManager:
             logger.warning(f"model args differ from checkpoint {path} in {', '.join(keys)} (shapes match; loading)")
 
     def _restore_rng(self, path: str, saved_world_size: int) -> None:
-        file = os.path.join(path, f"rng-rank{self.rank}.pt")
-        if saved_world_size != self.world_size or not os.path.isfile(file):
+        if saved_world_size != self.world_size:
             if self.rank == 0:
                 logger.info(f"RNG state not restored: saved by {saved_world_size} ranks, running on {self.world_size}")
             return
-        _set_rng_state(torch.load(file, map_location="cpu", weights_only=True))
+        self._agree(lambda: self._restore_rng_file(os.path.join(path, f"rng-rank{self.rank}.pt")))
+
+    @staticmethod
+    def _restore_rng_file(file: str) -> None:
+        state = _load_small_file(file)
+        try:
+            _set_rng_state(state)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint file {file} is corrupt (not an RNG state: {root_cause(e)}). "
+                "Set checkpoint.load_step to another complete step, or move that folder away."
+            ) from None

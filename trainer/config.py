@@ -126,6 +126,7 @@ class Checkpoint:
     initial_load_path: str = ""  # with no checkpoint to resume, start from this Hugging Face model folder
     initial_load_in_hf: bool = False  # initial_load_path holds Hugging Face safetensors (must be true to use it)
     initial_load_model_only: bool = True  # initial load sets the model only (must stay true for HF weights)
+    verify: bool = True  # on resume, check every file against the checkpoint's manifest (size + crc32)
 
 
 @dataclass

@@ -55,5 +55,6 @@ class NonFiniteError(TrainingStopped):
     """The loss, gradient norm or parameters became NaN/Inf; nothing poisoned is saved."""
 
 
-class DiskFullError(TrainingStopped):
-    """A save ran out of disk space; the previous checkpoint is kept."""
+class CheckpointWriteError(TrainingStopped):
+    """A save could not be written (e.g. the disk is full); its partial folder is removed and
+    the previous checkpoint is kept."""

@@ -27,10 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from models import HFAdapter
@@ -160,21 +157,6 @@ def foreign_files(out_dir: str) -> list[str]:
         return []
     ours = {INDEX_FILE, CONFIG_FILE}
     return sorted(n for n in os.listdir(out_dir) if n not in ours and not n.endswith(".safetensors"))
-
-
-def load_dcp_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """Unsharded model state dict of a DCP checkpoint written by CheckpointManager, no process group needed."""
-    reader = FileSystemReader(ckpt_dir)
-    metadata = reader.read_metadata()
-    model_sd = {
-        key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
-    if not model_sd:
-        raise ValueError(f"{ckpt_dir} holds no model tensors (not a weft checkpoint?)")
-    dcp.load({"model": model_sd}, storage_reader=reader, no_dist=True)
-    return model_sd
 
 
 def read_model_args(ckpt_dir: str) -> dict:

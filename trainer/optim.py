@@ -56,3 +56,43 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda last_epoch: lr_factor(last_epoch + 1, total_steps=total_steps, cfg=cfg)
     )
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer, lr_scheduler: torch.optim.lr_scheduler.LambdaLR) -> list[dict]:
+    """Per param group: the peak lr (the schedule's base) and AdamW's betas, eps and weight_decay."""
+    return [
+        {"lr": peak, "betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        for group, peak in zip(optimizer.param_groups, lr_scheduler.base_lrs)
+    ]
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, lr_scheduler: torch.optim.lr_scheduler.LambdaLR, new: list[dict]
+) -> list[str]:
+    """Put the config's hyper-parameters back after a resume restored the saved ones.
+
+    `new` comes from `hyperparameters()` of the freshly built optimizer. Loading a checkpoint
+    restores param_groups and the schedule's base lrs as saved; this sets them to `new`, so the
+    lr of the resumed step is the new peak times the (new config's) schedule factor at that
+    step, exactly what a fresh run with this config would use. Returns one line per changed
+    config key, e.g. "optimizer.lr: 0.0008 -> 0.5".
+    """
+    old = hyperparameters(optimizer, lr_scheduler)
+    changes = []
+    for key, (was, now) in {
+        "lr": (old[0]["lr"], new[0]["lr"]),
+        "beta1": (old[0]["betas"][0], new[0]["betas"][0]),
+        "beta2": (old[0]["betas"][1], new[0]["betas"][1]),
+        "eps": (old[0]["eps"], new[0]["eps"]),
+        "weight_decay": (old[0]["weight_decay"], new[0]["weight_decay"]),
+    }.items():
+        if was != now:
+            changes.append(f"optimizer.{key}: {was:g} -> {now:g}")
+    lr_scheduler.base_lrs = [h["lr"] for h in new]
+    lrs = [base * factor(lr_scheduler.last_epoch) for base, factor in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, hp, lr in zip(optimizer.param_groups, new, lrs):
+        group.update(betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"], initial_lr=hp["lr"], lr=lr)
+    # get_last_lr() returns `_last_lr`, which LRScheduler.step() sets from the groups' lr
+    # (torch 2.11-2.13); set it the same way so the resumed step logs the lr it uses.
+    lr_scheduler._last_lr = lrs
+    return changes
