@@ -3,6 +3,8 @@
 Launched by the parity tests under torchrun (one launch per world size), because starting
 a process group costs far more on a 2-core CI machine than the few steps each run trains.
 Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
+A run whose args include `--count-comms` also records, per step, the collectives its
+`train_step` issued (keyed by op name, e.g. "c10d._reduce_scatter_base_") under "<run args>#comms".
 """
 
 from __future__ import annotations
@@ -15,10 +17,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts c10d and functional-collective ops. (torch's CommDebugMode counts the same ops but its
+    module tracker fails on a second forward inside one context, torch 2.13.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = f"{func.namespace}.{func._opname}"
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -35,10 +53,22 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for index, run in enumerate(runs):
-        cfg = load_config(base + run + ["--job.dump_folder", f"{out_path}.run{index}"])
+        count = "--count-comms" in run
+        cfg = load_config(base + [a for a in run if a != "--count-comms"] + ["--job.dump_folder", f"{out_path}.run{index}"])
         resolved = resolve_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
         trainer = Trainer(resolved)
+        comms = []
+        if count:
+            step = trainer.train_step
+
+            def counted(batches):
+                with CountCollectives() as mode:
+                    out = step(batches)
+                comms.append(mode.counts)
+                return out
+
+            trainer.train_step = counted
         trainer.train()
         trainer.close()
         # Each run is a separate training job: drop compiled code that captured the previous
@@ -47,6 +77,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(os.path.join(cfg.job.dump_folder, "metrics.jsonl")) as f:
                 results[" ".join(run)] = [json.loads(line) for line in f]
+            if count:
+                results[" ".join(run) + "#comms"] = comms
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
