@@ -283,7 +283,7 @@ class _Load:
 
 def _set(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool, load: _Load, given_as: str = "") -> None:
     section_name, _, key = dotted.partition(".")
-    torchtitan_key = torchtitan_compat.lookup(dotted)
+    torchtitan_key = None if _is_weft_key(dotted) else torchtitan_compat.lookup(dotted)
     if torchtitan_key is not None:
         _set_torchtitan(cfg, dotted, torchtitan_key, raw, from_cli, load)
         return
@@ -401,16 +401,26 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _is_bool_key(dotted: str) -> bool:
-    entry = torchtitan_compat.lookup(dotted)
-    if entry is not None:
-        return entry.invert or isinstance(entry.default, bool) or (bool(entry.target) and _is_bool_key(entry.target))
+def _weft_type(dotted: str) -> Any:
+    """The declared type of a weft key, or None when weft has no such key."""
     section_name, _, key = dotted.partition(".")
-    section = getattr(JobConfig(), section_name, None)
-    if section is None or not dataclasses.is_dataclass(section):
+    section_cls = _key_types(JobConfig).get(section_name)
+    return None if section_cls is None else _key_types(section_cls).get(key)
+
+
+def _is_weft_key(dotted: str) -> bool:
+    """Weft's own keys win over the torchtitan table, so a key weft gains is never shadowed by it."""
+    return _weft_type(dotted) is not None
+
+
+def _is_bool_key(dotted: str) -> bool:
+    tp = _weft_type(dotted)
+    if tp is not None:
+        return _unwrap_optional(tp)[0] is bool
+    entry = torchtitan_compat.lookup(dotted)
+    if entry is None:
         return False
-    tp = _key_types(type(section)).get(key)
-    return tp is not None and _unwrap_optional(tp)[0] is bool
+    return entry.invert or isinstance(entry.default, bool) or (bool(entry.target) and _is_bool_key(entry.target))
 
 
 def load_config(argv: list[str]) -> JobConfig:

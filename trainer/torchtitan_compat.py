@@ -11,8 +11,10 @@ v0.2.2's `JobConfig` (tests check it against that release's `job_config.py`) and
   weft offers instead. A `gate` makes a key inert while another key keeps its feature off
   (a pipeline schedule while `pipeline_parallel_degree = 1`): then any value is accepted.
 
-When weft grows one of these features, flipping its line to `SUPPORTED` is the whole change
-here (the test then checks that `trainer/config.py` has the key). `VALUE_MAP` translates the
+When weft grows one of these features (HSDP's `data_parallel_replicate_degree`, `[comm]`),
+its own key takes over at once, since `trainer/config.py` looks weft's keys up first;
+flipping the line here to `SUPPORTED` is then the whole change, and
+tests/test_torchtitan_compat.py fails until it is made. `VALUE_MAP` translates the
 few torchtitan values that name torchtitan's own assets into weft's equivalents, with a note.
 `docs/torchtitan_compat.md` is generated from this module (scripts/torchtitan_compat_doc.py).
 """
