@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from trainer import torchtitan_compat
 from trainer.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -41,7 +42,8 @@ class Job:
 class Model:
     name: str = "llama3"  # model family (registered in models/__init__.py)
     flavor: str = "debugmodel"  # size preset of the family
-    tokenizer_path: str = ""  # tiktoken BPE file; empty = bundled cl100k_base
+    tokenizer_path: str = ""  # tiktoken BPE file (or a folder, read like hf_assets_path); empty = see hf_assets_path
+    hf_assets_path: str = ""  # folder holding tokenizer.model or original/tokenizer.model; both empty = bundled cl100k_base
     vocab_size: int = 0  # 0 = tokenizer size padded for TP; larger value pads further
 
 
@@ -267,29 +269,70 @@ def _example(base: Any) -> str:
     return {bool: "true", int: "4", float: "0.5", str: "VALUE"}.get(base, "a,b")
 
 
-def _set(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
+class _Load:
+    """State of one `load_config`: where values come from now, and what torchtitan keys did."""
+
+    def __init__(self) -> None:
+        self.source = "the command line"
+        self.torchtitan = torchtitan_compat.TorchtitanKeys()
+        self._claims: dict[tuple[str, str], tuple[str, Any]] = {}
+
+    def claim(self, weft_key: str, given_as: str, value: Any) -> None:
+        """Refuse one source setting one weft key twice, differently (`debug.seed` and `training.seed`)."""
+        previous = self._claims.get((self.source, weft_key))
+        if previous is not None and previous[0] != given_as and previous[1] != value:
+            raise ConfigError(
+                f"{self.source} sets '{previous[0]}' = {previous[1]!r} and '{given_as}' = {value!r}, which are the "
+                "same setting in weft; keep one of them."
+            )
+        self._claims[(self.source, weft_key)] = (given_as, value)
+
+
+def _set(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool, load: _Load, given_as: str = "") -> None:
     section_name, _, key = dotted.partition(".")
+    torchtitan_key = None if _is_weft_key(dotted) else torchtitan_compat.lookup(dotted)
+    if torchtitan_key is not None:
+        _set_torchtitan(cfg, dotted, torchtitan_key, raw, from_cli, load)
+        return
     sections = [f.name for f in dataclasses.fields(JobConfig)]
     if section_name not in sections:
+        if section_name in torchtitan_compat.SECTIONS:
+            _unknown_key(dotted, torchtitan_compat.keys_of_section(section_name))
+        known = sections + [s for s in torchtitan_compat.SECTIONS if s not in sections]
         raise ConfigError(
             f"unknown config section '{section_name}' (in '{dotted}')."
-            f"{_suggest(section_name, sections)} Run with --help to list every key."
+            f"{_suggest(section_name, known)} Run with --help to list every key."
         )
     section = getattr(cfg, section_name)
     types_ = _key_types(type(section))
     if key not in types_:
-        full = [f"{section_name}.{k}" for k in types_]
-        raise ConfigError(
-            f"unknown config key '{dotted}'.{_suggest(dotted, full)} Run with --help to list every key."
-        )
-    value = _coerce(dotted, raw, types_[key], from_cli)
+        _unknown_key(dotted, [f"{section_name}.{k}" for k in types_] + torchtitan_compat.keys_of_section(section_name))
+    value = load.torchtitan.translate(dotted, _coerce(given_as or dotted, raw, types_[key], from_cli))
     allowed = CHOICES.get(dotted)
     if allowed is not None and value not in allowed:
         raise ConfigError(
             f"config key '{dotted}' must be one of {', '.join(allowed)}; got {value!r}."
             f"{_suggest(str(value), list(allowed))}"
         )
+    load.claim(dotted, given_as or dotted, value)
     setattr(section, key, value)
+
+
+def _unknown_key(dotted: str, known: list[str]) -> None:
+    raise ConfigError(f"unknown config key '{dotted}'.{_suggest(dotted, known)} Run with --help to list every key.")
+
+
+def _set_torchtitan(cfg: JobConfig, dotted: str, entry: torchtitan_compat.Key, raw: Any, from_cli: bool,
+                    load: _Load) -> None:
+    """A torchtitan key weft has under another name (set that), or lacks (note its value for the end)."""
+    if entry.action == torchtitan_compat.ALIAS_ACTION:
+        if entry.invert:
+            _set(cfg, entry.target, not _coerce(dotted, raw, bool, from_cli), False, load, given_as=dotted)
+        else:
+            _set(cfg, entry.target, raw, from_cli, load, given_as=dotted)
+        return
+    value = raw if entry.default is None else _coerce(dotted, raw, type(entry.default), from_cli)
+    load.torchtitan.record(dotted, value)
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -305,14 +348,25 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' is not valid TOML: {e}. Fix the line shown.") from None
 
 
-def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str) -> None:
+def _apply_toml(cfg: JobConfig, data: dict[str, Any], path: str, load: _Load) -> None:
+    load.source = f"config file '{path}'"
     for section_name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(
                 f"'{section_name}' in '{path}' must be a [section] table, e.g. [training] then steps = 10."
             )
-        for key, value in table.items():
-            _set(cfg, f"{section_name}.{key}", value, from_cli=False)
+        for dotted, value in _flatten(section_name, table):
+            _set(cfg, dotted, value, from_cli=False, load=load)
+    load.source = "the command line"
+
+
+def _flatten(prefix: str, table: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Nested tables ([training.dataloader], [quantize.linear.float8]) as dotted keys."""
+    out: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        dotted = f"{prefix}.{key}"
+        out += _flatten(dotted, value) if isinstance(value, dict) else [(dotted, value)]
+    return out
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
@@ -354,27 +408,53 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _is_bool_key(dotted: str) -> bool:
+def _weft_type(dotted: str) -> Any:
+    """The declared type of a weft key, or None when weft has no such key."""
     section_name, _, key = dotted.partition(".")
-    section = getattr(JobConfig(), section_name, None)
-    if section is None or not dataclasses.is_dataclass(section):
+    section_cls = _key_types(JobConfig).get(section_name)
+    return None if section_cls is None else _key_types(section_cls).get(key)
+
+
+def _is_weft_key(dotted: str) -> bool:
+    """Weft's own keys win over the torchtitan table, so a key weft gains is never shadowed by it."""
+    return _weft_type(dotted) is not None
+
+
+def _is_bool_key(dotted: str) -> bool:
+    tp = _weft_type(dotted)
+    if tp is not None:
+        return _unwrap_optional(tp)[0] is bool
+    entry = torchtitan_compat.lookup(dotted)
+    if entry is None:
         return False
-    tp = _key_types(type(section)).get(key)
-    return tp is not None and _unwrap_optional(tp)[0] is bool
+    return entry.invert or isinstance(entry.default, bool) or (bool(entry.target) and _is_bool_key(entry.target))
 
 
 def load_config(argv: list[str]) -> JobConfig:
     """Build the config from defaults, then `--job.config_file`, then the other overrides."""
+    return load_config_with_notes(argv)[0]
+
+
+def load_config_with_notes(argv: list[str]) -> tuple[JobConfig, list[str]]:
+    """`load_config`, plus the lines to log once at start about torchtitan keys and values
+    (ignored keys, translated values); see trainer/torchtitan_compat.py."""
     pairs = _parse_cli(argv)
     cfg = JobConfig()
+    load = _Load()
     config_files = [raw for key, raw in pairs if key == "job.config_file"]
     if config_files:
         path = config_files[-1]
-        _apply_toml(cfg, _load_toml(path), path)
+        _apply_toml(cfg, _load_toml(path), path, load)
     for key, raw in pairs:
-        _set(cfg, key, raw, from_cli=True)
+        _set(cfg, key, raw, from_cli=True, load=load)
+    notes = load.torchtitan.finish(lambda dotted: _value_of(cfg, dotted))
     _check_values(cfg)
-    return cfg
+    return cfg, notes
+
+
+def _value_of(cfg: JobConfig, dotted: str) -> Any:
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key)
 
 
 def _check_values(cfg: JobConfig) -> None:

@@ -16,12 +16,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.config import help_text, load_config
+from trainer.config import help_text, load_config_with_notes
 from trainer.dump_lock import DumpFolderLock
 from trainer.errors import TrainingStopped, WeftError
 from trainer.run import ResolvedRun, resolve_run
 
 LOG_LEVEL_ENV = "WEFT_LOG_LEVEL"
+logger = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -135,8 +136,10 @@ def main(argv: list[str]) -> int:
         return 0
     lock = None
     try:
-        cfg = load_config(argv)
+        cfg, notes = load_config_with_notes(argv)
         setup_logging(_rank(), cfg.job.log_level)
+        for note in notes:  # torchtitan keys ignored or translated (trainer/torchtitan_compat.py)
+            logger.info(note)
         run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if _rank() == 0:
             lock = DumpFolderLock(run.paths.dump)

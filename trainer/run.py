@@ -68,7 +68,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     """Check everything that needs no process group and resolve the run; raises ConfigError
     (or CheckpointError) with one message naming the key and the fix."""
     spec = _model_spec(cfg)
-    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    tokenizer = build_tokenizer(cfg.model.tokenizer_path, cfg.model.hf_assets_path)
     model_args = _model_args(cfg, spec, tokenizer)
     dims = _parallel_dims(cfg, world_size, spec, model_args)
     device = _device(cfg)

@@ -14,6 +14,11 @@ Special tokens:
   up to 128255.
 - Any other BPE file: one `<|endoftext|>` token right after the last rank, used as both
   BOS and EOS, with cl100k_base's split pattern.
+
+Where the file comes from: `model.tokenizer_path` (a file, or a folder), else
+`model.hf_assets_path` (torchtitan's key: a folder of Hugging Face assets), else the bundled
+cl100k_base. In a folder, weft reads `tokenizer.model` or `original/tokenizer.model` (where
+Meta's Llama 3 repositories keep the tiktoken file); a `tokenizer.json` is not read.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ LLAMA3_PAT_STR = (
 )
 
 _KEY = "model.tokenizer_path"
+FOLDER_FILES = ("tokenizer.model", os.path.join("original", "tokenizer.model"))
 
 
 class Tokenizer:
@@ -97,14 +103,14 @@ class Tokenizer:
         return self.encoding.decode([int(i) for i in ids])
 
 
-def _read_bpe(path: str, expected_sha256: str | None = None) -> tuple[dict[bytes, int], str]:
+def _read_bpe(path: str, expected_sha256: str | None = None, key: str = _KEY) -> tuple[dict[bytes, int], str]:
     """Parse a tiktoken BPE file (lines of `base64(token) rank`); return ranks and sha256."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise ConfigError(
-            f"{_KEY} '{path}' cannot be read ({e.strerror}). Pass an existing tiktoken BPE file "
+            f"{key} '{path}' cannot be read ({e.strerror}). Pass an existing tiktoken BPE file "
             "(e.g. Llama 3's original/tokenizer.model) or leave it empty for cl100k_base."
         ) from None
     digest = hashlib.sha256(data).hexdigest()
@@ -123,12 +129,12 @@ def _read_bpe(path: str, expected_sha256: str | None = None) -> tuple[dict[bytes
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
             raise ConfigError(
-                f"{_KEY} '{path}' is not a tiktoken BPE file (line {lineno} is not "
+                f"{key} '{path}' is not a tiktoken BPE file (line {lineno} is not "
                 "'<base64 token> <rank>'). Pass a tiktoken file such as Llama 3's "
                 "original/tokenizer.model, or leave it empty for cl100k_base."
             ) from None
     if not ranks:
-        raise ConfigError(f"{_KEY} '{path}' holds no BPE ranks. Pass a non-empty tiktoken BPE file.")
+        raise ConfigError(f"{key} '{path}' holds no BPE ranks. Pass a non-empty tiktoken BPE file.")
     return ranks, digest
 
 
@@ -181,16 +187,34 @@ def llama3_specials() -> dict[str, int]:
     return {name: LLAMA3_NUM_RANKS + i for i, name in enumerate(names)}
 
 
-def build_tokenizer(tokenizer_path: str) -> Tokenizer:
-    """The tokenizer for `model.tokenizer_path`: empty = bundled cl100k_base (see module doc)."""
-    if not tokenizer_path:
-        return cl100k_base()
-    if not os.path.isfile(tokenizer_path):
+def tokenizer_file(tokenizer_path: str, hf_assets_path: str = "") -> tuple[str, str]:
+    """(the BPE file to read, the key it came from); ("", "") means the bundled cl100k_base."""
+    path, key = (tokenizer_path, _KEY) if tokenizer_path else (hf_assets_path, "model.hf_assets_path")
+    if not path:
+        return "", ""
+    if os.path.isfile(path):
+        return path, key
+    if os.path.isdir(path):
+        for name in FOLDER_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                return os.path.join(path, name), key
         raise ConfigError(
-            f"{_KEY} '{tokenizer_path}' does not exist. Pass a tiktoken BPE file (e.g. Llama 3's "
-            "original/tokenizer.model) or leave it empty for the bundled cl100k_base."
+            f"{key} '{path}' holds neither tokenizer.model nor original/tokenizer.model (the tiktoken file of Meta's "
+            "Llama 3 repositories; a tokenizer.json is not read). Fetch it, e.g. huggingface-cli download "
+            f"meta-llama/Llama-3.1-8B original/tokenizer.model --local-dir {path}, or set {_KEY} to a tiktoken file."
         )
-    ranks, digest = _read_bpe(tokenizer_path)
+    raise ConfigError(
+        f"{key} '{path}' does not exist. Pass a tiktoken BPE file (e.g. Llama 3's original/tokenizer.model) or a "
+        "folder holding tokenizer.model or original/tokenizer.model, or leave it empty for the bundled cl100k_base."
+    )
+
+
+def build_tokenizer(tokenizer_path: str, hf_assets_path: str = "") -> Tokenizer:
+    """The tokenizer of `model.tokenizer_path` / `model.hf_assets_path` (see module doc)."""
+    path, key = tokenizer_file(tokenizer_path, hf_assets_path)
+    if not path:
+        return cl100k_base()
+    ranks, digest = _read_bpe(path, key=key)
     if digest == CL100K_SHA256:
         return _cl100k(ranks, digest)
     if len(ranks) == LLAMA3_NUM_RANKS:
@@ -198,4 +222,4 @@ def build_tokenizer(tokenizer_path: str) -> Tokenizer:
                      bos="<|begin_of_text|>", eos="<|end_of_text|>")
     eot = "<|endoftext|>"
     specials = {eot: max(ranks.values()) + 1}
-    return _make(os.path.basename(tokenizer_path), ranks, digest, specials, CL100K_PAT_STR, bos=eot, eos=eot)
+    return _make(os.path.basename(path), ranks, digest, specials, CL100K_PAT_STR, bos=eot, eos=eot)
