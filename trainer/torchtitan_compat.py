@@ -89,7 +89,7 @@ _CP = "context parallelism is not in weft; shorten training.seq_len or add tenso
 _EP = "expert parallelism is for MoE models; weft's Llama 3 is dense"
 _CONVERT = ("model converters (float8 / MX training) are not in weft; it trains with bf16 or fp32 mixed "
             "precision (training.mixed_precision_param)")
-_INITIAL_LOAD = "weft cannot initialize from another checkpoint yet; resume from checkpoint.folder"
+_INITIAL_LOAD = "weft starts from unquantized Hugging Face safetensors only (checkpoint.initial_load_in_hf)"
 _FT = "fault tolerance (TorchFT) is not in weft; checkpoints plus a restart resume the run"
 _WORKERS = "weft's loader cuts pre-tokenized, memory-mapped windows in the training process; it needs no workers"
 _VAL_SHAPE = "weft validates with training.local_batch_size and training.seq_len"
@@ -163,8 +163,7 @@ TABLE: dict[str, Key] = {
     "training.dataloader.pin_memory": inert(False, "weft copies batches from pinned memory whenever it trains on CUDA"),
     "training.dataloader.prefetch_factor": neutral(None, _WORKERS, gate=TRAIN_WORKERS),
     # [parallelism]
-    "parallelism.data_parallel_replicate_degree": neutral(
-        1, "HSDP is not in weft yet (issue 11); use data_parallel_shard_degree (FSDP) for all data-parallel ranks"),
+    "parallelism.data_parallel_replicate_degree": SUPPORTED,
     "parallelism.data_parallel_shard_degree": SUPPORTED,
     "parallelism.fsdp_reshard_after_forward": SUPPORTED,
     "parallelism.tensor_parallel_degree": SUPPORTED,
@@ -191,14 +190,15 @@ TABLE: dict[str, Key] = {
     "checkpoint.enable_ft_dataloader_checkpoints": neutral(True, _FT, gate=FAULT_TOLERANCE),
     "checkpoint.folder": SUPPORTED,
     "checkpoint.interval": SUPPORTED,
-    "checkpoint.initial_load_path": neutral(None, _INITIAL_LOAD),
-    "checkpoint.initial_load_model_only": neutral(True, _INITIAL_LOAD, gate=INITIAL_LOAD),
-    "checkpoint.initial_load_in_hf": neutral(False, _INITIAL_LOAD, gate=INITIAL_LOAD),
+    "checkpoint.initial_load_path": supported("a Hugging Face folder only (with initial_load_in_hf = true); "
+                                              "used only when there is no checkpoint to resume"),
+    "checkpoint.initial_load_model_only": supported("must stay true: HF weights hold no optimizer state"),
+    "checkpoint.initial_load_in_hf": supported("must be true when initial_load_path is set"),
     "checkpoint.initial_load_in_hf_quantized": neutral(False, _INITIAL_LOAD, gate=INITIAL_LOAD),
     "checkpoint.last_save_model_only": alias("checkpoint.model_only_final", "weft's default is false"),
-    "checkpoint.last_save_in_hf": neutral(
-        False, "weft keeps the last checkpoint in DCP; checkpoint.export_hf = true also writes the final model as "
-               "Hugging Face safetensors under <checkpoint.folder>/hf/"),
+    "checkpoint.last_save_in_hf": alias(
+        "checkpoint.export_hf", "weft also keeps the last checkpoint in DCP and writes the Hugging Face "
+                                "safetensors under <checkpoint.folder>/hf/"),
     "checkpoint.export_dtype": SUPPORTED,
     "checkpoint.async_mode": supported("disabled, async; async_with_pinned_mem is refused"),
     "checkpoint.keep_latest_k": SUPPORTED,
