@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import causal_attention
 from models.llama3.args import ModelArgs
 
 # init_normal(param, std, bound): fill `param` with N(0, std), truncated at +-bound when
@@ -92,11 +93,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        repeats = q.shape[2] // k.shape[2]
-        # Repeat KV heads explicitly: every SDPA backend (flash included) takes equal heads.
-        k = k.repeat_interleave(repeats, dim=2)
-        v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_normal: InitNormal, out_std: float) -> None:
