@@ -82,7 +82,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+        # One fused kernel on x's dtype: F.rms_norm accumulates in fp32 for bf16/fp16 inputs
+        # (CUDA `_fused_rms_norm` since torch 2.8, the CPU composite and inductor's
+        # decomposition all upcast internally), so explicit fp32 casts only add passes. The
+        # weight follows x's dtype (a no-op under FSDP mixed precision) so the fused kernel,
+        # not the mixed-dtype composite, runs.
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
