@@ -104,7 +104,9 @@ def _chunked_stats(
     return lse, target
 
 
-def _combine_vocab_shards(lse: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_vocab_shards(
+    lse: torch.Tensor, target: torch.Tensor, mesh: DeviceMesh
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global per-token log-sum-exp and label logit from every vocab shard's, in one
     all-gather; every rank computes the same values from the same gathered tensor."""
     stats = torch.stack([lse, target])[None]
