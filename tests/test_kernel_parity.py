@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import models.llama3.model as model_module
 import parallel.loss as loss_module
 import tests.reference_paths as ref
 from models.kernels import causal_attention
@@ -184,15 +183,14 @@ def test_whole_model_matches_old_paths(monkeypatch):
         model.init_weights()
         loss = loss_module.cross_entropy_loss(model(tokens), labels, 500)
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model.rope.shape
 
-    new_loss, new_grads = step()
+    new_loss, new_grads, new_table = step()
     with monkeypatch.context() as patch:
-        for name in ("rope_table", "apply_rope", "causal_attention"):
-            patch.setattr(model_module, name, getattr(ref, name))
-        patch.setattr(model_module.RMSNorm, "forward", ref.rms_norm_forward)
-        patch.setattr(loss_module, "cross_entropy_loss", ref.cross_entropy_loss)
-        old_loss, old_grads = step()
+        for owner, name, value in ref.patches():  # what the loss curve's old-paths run installs
+            patch.setattr(owner, name, value)
+        old_loss, old_grads, old_table = step()
+    assert new_table == (32, 2, args.head_dim) and old_table == (32, args.head_dim // 2, 2)  # both really ran
     _close_fp32(new_loss, old_loss, "loss")
     for name in new_grads:
         _close_fp32(new_grads[name], old_grads[name], name)
