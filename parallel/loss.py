@@ -97,9 +97,11 @@ def _chunked_stats(
     rows = _chunk_rows(real)
     for start in range(0, tokens, rows):
         stop = min(start + rows, tokens)
-        x = local[start:stop, :real].float()
-        lse[start:stop] = torch.logsumexp(x, dim=-1)
-        picked = x.gather(1, index[start:stop, None]).squeeze(1)
+        x = local[start:stop, :real]
+        peak = x.amax(dim=-1).float()
+        # x - peak reads x in its own dtype and writes fp32: no separate upcast pass.
+        lse[start:stop] = peak + (x - peak[:, None]).exp_().sum(dim=-1).log_()
+        picked = x.gather(1, index[start:stop, None]).squeeze(1).float()
         target[start:stop] = torch.where(here[start:stop], picked, 0.0)
     return lse, target
 
@@ -137,7 +139,7 @@ class _CrossEntropyFromStats(torch.autograd.Function):
             rows = _chunk_rows(real)
             for start in range(0, tokens, rows):
                 stop = min(start + rows, tokens)
-                p = local[start:stop, :real].float().sub_(lse[start:stop, None]).exp_()
+                p = (local[start:stop, :real] - lse[start:stop, None]).exp_()  # softmax, fp32
                 p.scatter_add_(1, index[start:stop, None], -here[start:stop, None].float())
-                grad[start:stop, :real] = p.mul_(grad_loss / tokens)
+                torch.mul(p, grad_loss / tokens, out=grad[start:stop, :real])  # scale and downcast
         return grad, None, None, None, None, None
