@@ -18,7 +18,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,24 +59,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Mean fp32 cross-entropy of the whole logits; padded columns masked to -inf.
+    """Mean fp32 cross-entropy of the whole logits, padded columns masked to -inf (vocab-sharded
+    DTensor logits under `loss_parallel()`). This formula is still what parallel/loss.py runs
+    under torch.compile, so the reference is that function."""
+    from parallel.loss import _fused_by_compiler
 
-    Vocab-sharded DTensor logits must come under `loss_parallel()`.
-    """
-    vocab = logits.shape[-1]
-    if isinstance(logits, DTensor):
-        if logits.placements != (Shard(logits.ndim - 1),) and logits.placements != (Shard(-1),):
-            raise ValueError(f"loss parallel expects logits sharded on the vocab dim, got {logits.placements}")
-        if num_classes < vocab:
-            local = logits.to_local()
-            mesh = logits.device_mesh
-            start = mesh.get_local_rank() * local.shape[-1]
-            column = torch.arange(start, start + local.shape[-1], device=local.device)
-            local = local.masked_fill(column >= num_classes, float("-inf"))
-            logits = DTensor.from_local(local, mesh, logits.placements, run_check=False)
-    elif num_classes < vocab:
-        logits = logits[..., :num_classes]
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return _fused_by_compiler(logits, labels, num_classes)
 
 
 def patches() -> list[tuple[object, str, object]]:
