@@ -18,7 +18,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
