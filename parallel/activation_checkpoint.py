@@ -186,3 +186,10 @@ def set_activation_memory_budget(budget: float) -> None:
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = budget
+    # The knapsack sizes every value it may save. Under tensor parallelism the compiled graphs
+    # take process groups as script-object inputs, which torch 2.13 refuses to size unless
+    # told they are empty ("Cannot compute the size of FakeScriptObject"); a process group
+    # holds no tensors, so zero is exact. Checked on 2.13; the check is for versions without
+    # the flag. Compiled blocks without TP (one GPU, FSDP) hold no process groups at all.
+    if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        functorch_config.unsafe_treat_script_objects_as_zero_size = budget < 1.0
