@@ -2,7 +2,7 @@
 
 The logits are [tokens, vocab] in the compute dtype (bf16 on GPU: 4 GiB at Llama 3 3B, seq
 8192, local batch 2). Run eagerly, `F.cross_entropy(logits.float())` writes an fp32 copy,
-saves an fp32 log-softmax for backward and builds two fp32 gradients in backward: about 25 GiB
+saves an fp32 log-softmax for backward and builds two fp32 gradients in backward: about 23 GiB
 at that size, at the step's memory peak. Eagerly this module instead walks the tokens in
 chunks: forward keeps one fp32 chunk at a time and saves only the per-token log-sum-exp;
 backward rebuilds each chunk's softmax from the saved logits and writes the gradient in
