@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives  # noqa: F401
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "memory_budget")
 
 aten = torch.ops.aten
 
@@ -143,10 +143,11 @@ def apply_activation_checkpointing(
     outputs (`full_context_fn`). "selective" with option "op": every block, under the
     op-level policy (save attention, collective and every other matmul output; recompute the
     rest). "selective" with option N: the N-th, 2N-th, ... block (1-based), as in "full".
+    "memory_budget": nothing here; the compiler decides (`set_activation_memory_budget`).
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}; got {mode!r}.")
-    if mode == "none":
+    if mode in ("none", "memory_budget"):
         return
     every, op_level = 1, False
     if mode == "selective":
@@ -165,3 +166,30 @@ def apply_activation_checkpointing(
             raise ValueError(f"block {i} ({type(block).__name__}) is already activation-checkpointed.")
         if (i + 1) % every == 0:
             block.__class__ = _checkpointed_class(type(block), op_level)
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """Let the compiler choose what each compiled region saves for backward, within `budget`.
+
+    `torch._functorch.config.activation_memory_budget` (private; present and read by the
+    min-cut partitioner on torch 2.4-2.13, checked on 2.13) is a fraction of the activation
+    memory that the compiled region would keep with no AC (1.0, torch's default); 0.0 is
+    the memory of recomputing everything. Below 1.0 the partitioner solves a knapsack that
+    recomputes the cheapest ops first by FLOP count, so pointwise and norm outputs go before
+    any matmul: at a budget that matches op-level SAC's memory it recomputes less than op
+    SAC, which recomputes every other matmul. Collectives are never recomputed, so it
+    composes with tensor parallelism (DTensor code is traced to plain ops and collectives).
+    It replaces the checkpoint wrappers (mode "memory_budget" adds none); it is read when a
+    region is first compiled, so it must be set before the first forward, and it applies to
+    every region this process compiles. Without compile it has no effect.
+    """
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = budget
+    # The knapsack sizes every value it may save. Under tensor parallelism the compiled graphs
+    # take process groups as script-object inputs, which torch 2.13 refuses to size unless
+    # told they are empty ("Cannot compute the size of FakeScriptObject"); a process group
+    # holds no tensors, so zero is exact. Checked on 2.13; the check is for versions without
+    # the flag. Compiled blocks without TP (one GPU, FSDP) hold no process groups at all.
+    if hasattr(functorch_config, "unsafe_treat_script_objects_as_zero_size"):
+        functorch_config.unsafe_treat_script_objects_as_zero_size = budget < 1.0

@@ -4,7 +4,8 @@ Every combination trains 5 steps with losses within 1e-4 relative of the eager, 
 same mesh (fp32, same seed and data). The full 3 x 4 matrix runs with the `aot_eager` backend
 (Dynamo capture + AOTAutograd, which is where graph breaks, SAC-under-compile and DTensor tracing
 go wrong); the two configurations users run most, selective-op AC with per-block and with
-whole-model compile, also run through inductor. One 4-process launch runs the aot_eager
+whole-model compile, also run through inductor, as does the memory-budget mode with per-block
+compile (only inductor's partitioner applies a budget). One 4-process launch runs the aot_eager
 matrix, a second one the inductor runs with a fresh inductor cache: a training process runs
 one job, and compiled code must not outlive the process groups of an earlier job in the same
 process.
@@ -36,6 +37,10 @@ def test_compile_and_ac_matrix_matches_eager(tmp_path, corpus, monkeypatch):
     base = BASE + ["--training.dataset_path", corpus, "--parallelism.tensor_parallel_degree", "2"]
     results = launch(tmp_path, 4, base, list(runs.values()))
     inductor_runs = {f"{s}/sel_op": INDUCTOR[s] + AC_MODES["sel_op"] for s in INDUCTOR}
+    # The memory budget is applied by inductor's min-cut partitioner only (aot_eager keeps
+    # everything), on graphs holding TP collectives and loss-parallel DTensor code.
+    inductor_runs["blocks_inductor/memory_budget"] = INDUCTOR["blocks_inductor"] + [
+        "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.3"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     results.update(launch(tmp_path, 4, base, list(inductor_runs.values())))
     runs.update(inductor_runs)

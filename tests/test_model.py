@@ -78,11 +78,22 @@ def test_depth_scaled_init():
     assert last == pytest.approx(0.02 / (2 * n) ** 0.5, rel=0.1)
 
 
+def _rope_angles(table: torch.Tensor) -> torch.Tensor:
+    """[positions, head_dim // 2] angles of rope_table's (cos, signed sin) layout."""
+    return torch.atan2(table[:, 1, 1::2], table[:, 0, ::2])
+
+
+def test_rope_table_layout():
+    table = rope_table(flavor_args("tinymodel", vocab_size=8, max_seq_len=16))
+    torch.testing.assert_close(table[:, 0, ::2], table[:, 0, 1::2])  # cos repeated per pair
+    torch.testing.assert_close(table[:, 1, ::2], -table[:, 1, 1::2])  # sin signed (-, +)
+
+
 def test_rope_matches_complex_reference():
     args = flavor_args("tinymodel", vocab_size=8, max_seq_len=16)
     table = rope_table(args)
     x = torch.randn(2, 16, 4, args.head_dim)
-    freqs = torch.polar(torch.ones_like(table[..., 0]), torch.atan2(table[..., 1], table[..., 0]))
+    freqs = torch.polar(torch.ones(16, args.head_dim // 2), _rope_angles(table))
     ref = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs[None, :, None]).flatten(-2)
     torch.testing.assert_close(apply_rope(x, table), ref)
 
@@ -93,7 +104,7 @@ def test_scaled_rope_stretches_only_low_frequencies():
     scaled_args = flavor_args("8B", vocab_size=8, max_seq_len=2)
     plain_args = dataclasses.replace(scaled_args, use_scaled_rope=False)
     # angle at position 1 is the frequency itself
-    scaled = torch.atan2(rope_table(scaled_args)[1, :, 1], rope_table(scaled_args)[1, :, 0])
-    plain = torch.atan2(rope_table(plain_args)[1, :, 1], rope_table(plain_args)[1, :, 0])
+    scaled = _rope_angles(rope_table(scaled_args))[1]
+    plain = _rope_angles(rope_table(plain_args))[1]
     torch.testing.assert_close(scaled[0], plain[0])  # highest frequency untouched
     torch.testing.assert_close(scaled[-1], plain[-1] / scaled_args.rope_scale_factor)  # lowest divided

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.activation_checkpoint import apply_activation_checkpointing, set_activation_memory_budget
 from parallel.compile import apply_compile
 from parallel.fsdp import apply_fsdp
 from parallel.init import sharded_init_normal_
@@ -34,6 +34,7 @@ def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
             apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(run.sequence_parallel))
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
+    set_activation_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
     if cfg.compile.strategy == "blocks":
         apply_compile(model, blocks, cfg.compile)

@@ -108,8 +108,9 @@ class Compile:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "selective"  # none | full | selective
+    mode: str = "selective"  # none | full | selective | memory_budget (compiled blocks only)
     selective_ac_option: str = "op"  # op (op-level policy) or an integer N (every N-th block)
+    memory_budget: float = 0.5  # memory_budget mode: activations kept, as a fraction of no AC's, in (0, 1]
 
 
 @dataclass
@@ -188,7 +189,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.gradient_sync": ("step", "microbatch"),
     "compile.strategy": ("blocks", "model"),
-    "activation_checkpoint.mode": ("none", "full", "selective"),
+    "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
 }
@@ -507,6 +508,14 @@ def _check_values(cfg: JobConfig) -> None:
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(
             f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}."
+        )
+    ac = cfg.activation_checkpoint
+    if not 0.0 < ac.memory_budget <= 1.0:
+        raise ConfigError(f"activation_checkpoint.memory_budget must be in (0, 1], got {ac.memory_budget}.")
+    if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
+        raise ConfigError(
+            "activation_checkpoint.mode = 'memory_budget' is carried out by the compiler: "
+            "also pass --compile.enable (with 'model' in compile.components), or pick another mode."
         )
     unknown = set(cfg.compile.components) - {"model", "loss"}
     if unknown:

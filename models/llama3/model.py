@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import causal_attention
 from models.llama3.args import ModelArgs
 
 # init_normal(param, std, bound): fill `param` with N(0, std), truncated at +-bound when
@@ -30,14 +31,20 @@ def init_normal_(param: torch.Tensor, std: float, bound: float | None) -> None:
 
 
 def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """cos/sin of every position and frequency, shape [max_seq_len, head_dim // 2, 2], fp32."""
+    """cos and signed sin of every position's angles, shape [max_seq_len, 2, head_dim], fp32.
+
+    Laid out for `apply_rope`: each frequency's angle is repeated for its (even, odd) pair, and
+    the sin row holds (-sin, +sin) per pair, so the rotation is two multiplies and an add on
+    the input dtype with no stride-2 access.
+    """
     half = args.head_dim // 2
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
     if args.use_scaled_rope:
         freqs = _scale_rope_freqs(freqs, args)
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(t, freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    angles = torch.outer(t, freqs).repeat_interleave(2, dim=-1)
+    sign = torch.tensor([-1.0, 1.0], device=device).repeat(half)
+    return torch.stack([angles.cos(), angles.sin() * sign], dim=1)
 
 
 def _scale_rope_freqs(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
@@ -54,14 +61,18 @@ def _scale_rope_freqs(freqs: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved (even, odd) pairs of x [b, s, h, d] as the Llama reference does."""
-    seqlen = x.shape[1]
-    cos = table[:seqlen, :, 0].view(1, seqlen, 1, -1)
-    sin = table[:seqlen, :, 1].view(1, seqlen, 1, -1)
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    """Rotate interleaved (even, odd) pairs of x [b, s, h, d] as the Llama reference does.
+
+    out[2i] = x[2i] cos - x[2i+1] sin and out[2i+1] = x[2i+1] cos + x[2i] sin, computed as
+    x * cos + swap_pairs(x) * signed_sin on x's dtype (the table is cast, which is tiny):
+    in eager that is three passes over x instead of a dozen fp32 ones; under compile it is
+    one fused kernel either way. The interleaved-pair layout is what the HF export's wq/wk
+    permutation assumes.
+    """
+    seqlen, head_dim = x.shape[1], x.shape[-1]
+    cos, sin = table[:seqlen].to(x.dtype).view(1, seqlen, 2, 1, head_dim).unbind(2)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 class RMSNorm(nn.Module):
@@ -71,7 +82,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+        # One fused kernel on x's dtype: F.rms_norm accumulates in fp32 for bf16/fp16 inputs
+        # (CUDA `_fused_rms_norm` since torch 2.8, the CPU composite and inductor's
+        # decomposition all upcast internally), so explicit fp32 casts only add passes. The
+        # weight follows x's dtype (a no-op under FSDP mixed precision) so the fused kernel,
+        # not the mixed-dtype composite, runs.
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -92,11 +108,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        repeats = q.shape[2] // k.shape[2]
-        # Repeat KV heads explicitly: every SDPA backend (flash included) takes equal heads.
-        k = k.repeat_interleave(repeats, dim=2)
-        v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_normal: InitNormal, out_std: float) -> None:
