@@ -70,7 +70,10 @@ class Training:
     max_norm: float = 1.0  # gradient clipping norm (0 = off)
     steps: int = 10000  # optimizer steps to train
     dataset: str = "stdlib"  # stdlib (embedded default) | a local path | a hub dataset name
-    dataset_path: str = ""  # local folder or glob of .txt/.jsonl/.json/.parquet; overrides dataset
+    dataset_path: str = ""  # local folder or glob of .txt/.jsonl/.json/.parquet or .bin/.npy tokens; overrides dataset
+    dataset_mixture: list = field(default_factory=list)  # SOURCE:WEIGHT items mixed by token share; overrides dataset_path
+    dataset_streaming: bool = False  # stream documents through datasets (tokenized on the fly), no token store
+    dataset_num_proc: int = 0  # processes tokenizing a text corpus into the token store; 0 = all CPUs
     seed: int = 0  # seed for init, data order and dropout-free RNG use
     deterministic: bool = False  # use deterministic algorithms (slower)
     mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
@@ -118,6 +121,7 @@ class Checkpoint:
     export_dtype: str = "float32"  # dtype of the exported final model
     save_on_sigusr1: bool = False  # treat SIGUSR1 like SIGTERM: finish the step, save, exit 0
     export_hf: bool = False  # at the end, write <folder>/hf/model.safetensors + config.json (HF Llama)
+    allow_data_change: bool = False  # resume on data whose fingerprint differs from the checkpoint's
 
 
 @dataclass
@@ -382,6 +386,8 @@ def _check_values(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}.")
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size must be -1 (auto) or >= 1, got {t.global_batch_size}.")
+    if t.dataset_num_proc < 0:
+        raise ConfigError(f"training.dataset_num_proc must be >= 0 (0 = all CPUs), got {t.dataset_num_proc}.")
     dp = cfg.parallelism.data_parallel_shard_degree
     if dp != -1 and dp < 1:
         raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (auto) or >= 1, got {dp}.")

@@ -62,17 +62,16 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.dataloader = build_dataloader(
-            cfg.training, tokenizer, dp_rank=self.dp_rank, dp_degree=dims.dp, device=device,
-            dump_folder=cfg.job.dump_folder,
-        )
+        t = cfg.training
+        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp
+        data_args = dict(global_batch_size=global_batch, dp_rank=self.dp_rank, dp_degree=dims.dp, device=device,
+                         dump_folder=cfg.job.dump_folder)
+        self.dataloader = build_dataloader(t, tokenizer, **data_args,
+                                           allow_data_change=cfg.checkpoint.allow_data_change)
         self.val_loader = None
         if cfg.validation.enable:
-            self.val_loader = build_dataloader(
-                cfg.training, tokenizer, dp_rank=self.dp_rank, dp_degree=dims.dp, device=device,
-                dump_folder=cfg.job.dump_folder, split="validation",
-                dataset_path=cfg.validation.dataset_path or None,
-            )
+            self.val_loader = build_dataloader(t, tokenizer, **data_args, split="validation",
+                                               dataset_path=cfg.validation.dataset_path or None)
         self.loss_fn = compile_loss(
             lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words), cfg.compile
         )
@@ -169,7 +168,7 @@ class Trainer:
                 last = self.step == cfg.training.steps
                 if self.metrics.should_log(self.step) or last:
                     self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
-                                     tokens=tokens_since_log)
+                                     tokens=tokens_since_log, extra=self.dataloader.shares())
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
                     self.metrics.log_scalars(self.step, self.validate())
