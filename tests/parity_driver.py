@@ -1,4 +1,5 @@
-"""Train several configs inside one process group and write each run's metrics to JSON.
+"""Train several configs inside one process group and write each run's metrics to JSON,
+plus, under "batches RUN", a hash of each step's global batch.
 
 Launched by the parity tests under torchrun (one launch per world size), because starting
 a process group costs far more on a 2-core CI machine than the few steps each run trains.
@@ -7,6 +8,7 @@ Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -19,6 +21,33 @@ import torch.distributed as dist  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.main import prepare  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
+
+
+def record_global_batches(trainer: Trainer) -> dict[int, list]:
+    """Wrap the loader so each step's input rows are kept: {step: [this rank's rows]}."""
+    rows: dict[int, list] = {}
+    next_step = trainer.dataloader.next_step
+
+    def recording():
+        micro = next_step()
+        rows[trainer.step] = torch.cat([inputs for inputs, _ in micro]).tolist()
+        return micro
+
+    trainer.dataloader.next_step = recording
+    return rows
+
+
+def global_batch_hashes(trainer: Trainer, rows: dict[int, list]) -> dict[int, str] | None:
+    """On rank 0: {step: sha of the step's global batch}, rows of dp ranks in dp order (the
+    same for any dp and local batch size when the loader is mesh-independent)."""
+    gathered = [None] * dist.get_world_size()
+    tp_rank = trainer.mesh["tp"].get_local_rank()
+    dist.all_gather_object(gathered, (trainer.dp_rank, tp_rank, rows))
+    if dist.get_rank() != 0:
+        return None
+    by_dp = sorted((dp, r) for dp, tp, r in gathered if tp == 0)
+    return {step: hashlib.sha256(json.dumps([row for _, r in by_dp for row in r[step]]).encode()).hexdigest()[:16]
+            for step in sorted(rows)}
 
 
 def main() -> None:
@@ -39,14 +68,17 @@ def main() -> None:
         tokenizer, model_args, dims = prepare(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
         trainer = Trainer(cfg, tokenizer=tokenizer, model_args=model_args, dims=dims, device=torch.device("cpu"))
+        rows = record_global_batches(trainer)
         trainer.train()
         trainer.close()
+        hashes = global_batch_hashes(trainer, rows)
         # Each run is a separate training job: drop compiled code that captured the previous
         # run's process groups and meshes.
         torch._dynamo.reset()
         if dist.get_rank() == 0:
             with open(os.path.join(cfg.job.dump_folder, "metrics.jsonl")) as f:
                 results[" ".join(run)] = [json.loads(line) for line in f]
+            results["batches " + " ".join(run)] = hashes
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -164,7 +164,7 @@ def _text_of(record: object, path: str, where: str) -> str | None:
                    "Store each document in a 'text' field.")
     text = record["text"]
     if text is not None and not isinstance(text, str):
-        raise _bad(path, where, f"'text' is a {type(text).__name__} ({str(text)[:40]!r}), not a string",
+        raise _bad(path, where, f"'text' holds {type(text).__name__} {str(text)[:40]!r}, not a string",
                    "Store each document's text as a JSON string.")
     return text
 

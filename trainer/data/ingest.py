@@ -30,6 +30,7 @@ from trainer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 2  # bump when what a store holds for the same inputs changes
+KEY_FILE = "STORE_KEY"  # in a store folder: the key of the inputs its parts were made from
 BATCH_DOCS = 256  # documents per encode_batch call
 PROGRESS_EVERY_S = 10.0
 
@@ -117,6 +118,14 @@ class _Progress:
         return self.tokens / max(now - self.start, 1e-9)
 
 
+def _read_key(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def _pool_context() -> mp.context.BaseContext:
     """fork where there is one: workers start at once with the tokenizer already loaded, where
     spawn would import torch again in each (~20 s on a loaded 2-core box). The workers only
@@ -131,7 +140,12 @@ def write_store(out_dir: str, pieces: list[Piece], tokenizer: Tokenizer, *, num_
     parts). Returns tokens/s of this call's tokenization. Not locked: see `build_store`."""
     units = group_pieces(pieces)
     partial = out_dir + ".partial"
+    key, key_file = store_key(pieces, tokenizer), os.path.join(out_dir + ".partial", KEY_FILE)
+    if os.path.isdir(partial) and _read_key(key_file) != key:
+        shutil.rmtree(partial)  # parts of other inputs (the files changed since)
     os.makedirs(partial, exist_ok=True)
+    with open(key_file, "w") as f:
+        f.write(key)
     done = {i for i in range(len(units)) if read_sidecar(os.path.join(partial, _part_name(i))) is not None}
     todo = [(i, units[i], os.path.join(partial, _part_name(i))) for i in range(len(units)) if i not in done]
     num_proc = max(1, min(num_proc, len(todo)))

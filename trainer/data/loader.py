@@ -49,11 +49,9 @@ def share_labels(names: Sequence[str]) -> list[str]:
 def _describe(sources: list[dict[str, Any]]) -> str:
     parts = []
     for s in sources:
-        if s.get("streamed"):
-            parts.append(f"{s.get('name')} (streamed)")
-        else:
-            parts.append(f"{s.get('name')} ({s.get('tokens')} tokens, {s.get('windows')} windows, "
-                         f"first tokens {s.get('head')})")
+        what = "streamed" if s.get("streamed") else (
+            f"{s.get('tokens')} tokens, {s.get('windows')} windows, first tokens {s.get('head')}")
+        parts.append(f"{s.get('name')} ({what}, weight {s.get('weight')})")
     return " + ".join(parts)
 
 
