@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.config import ConfigError  # noqa: E402
-from trainer.data.documents import STDLIB, is_pretokenized, plan_pieces, resolve_files  # noqa: E402
+from trainer.data.documents import STDLIB, is_pretokenized, resolve_files  # noqa: E402
 from trainer.data.ingest import default_num_proc, write_store  # noqa: E402
 from trainer.data.lock import build_once  # noqa: E402
 from trainer.tokenizer import build_tokenizer  # noqa: E402
@@ -39,12 +39,12 @@ def main(argv: list[str]) -> int:
         files = resolve_files(args.source, "--source")
         if is_pretokenized(files):
             raise ConfigError(f"--source '{args.source}' already holds token files; train on it directly.")
-        pieces = plan_pieces(files, lenient=args.source == STDLIB)
         out = os.path.abspath(args.out)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if os.path.exists(out):
             raise ConfigError(f"--out '{out}' exists; pick a new folder (a finished store is never rewritten).")
-        build_once(out, lambda: write_store(out, pieces, tokenizer, num_proc=args.num_proc, name=args.source),
+        build_once(out, lambda: write_store(out, files, tokenizer, lenient=args.source == STDLIB,
+                                            num_proc=args.num_proc, name=args.source),
                    what=f"tokenizing {args.source}")
     except ConfigError as e:
         print(f"prepare_data: {e}", file=sys.stderr)

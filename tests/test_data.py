@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 import time
 
 import datasets
@@ -15,7 +16,8 @@ import trainer.data.ingest
 from trainer.config import ConfigError, Training
 from trainer.data import TokenDataLoader, build_dataloader, validation_windows
 from trainer.data.build import open_store, parse_mixture
-from trainer.data.documents import Piece, plan_pieces, read_documents, stdlib_files
+from trainer.data.documents import plan_pieces, read_documents, stdlib_files
+from trainer.data.lock import build_once
 from trainer.data.order import MixtureSchedule, SeededPermutation
 from trainer.data.sources import StoreWindows, StreamWindows
 from trainer.data.store import TokenFileWriter, TokenStore
@@ -512,7 +514,7 @@ def test_stdlib_corpus_builds_and_is_cached(tok, tmp_path, monkeypatch):
     assert tok.decode(tokens[:200]).startswith(head)
     assert second < first / 3, (first, second)
     (store,) = [f for f in os.listdir(cache) if f.startswith("tokens-") and not f.endswith(("lock", "partial"))]
-    assert sorted(os.listdir(cache / store))[:2] == ["part-000000.bin", "part-000000.bin.json"]
+    assert sorted(os.listdir(cache / store))[:3] == ["STORE_KEY", "part-000000.bin", "part-000000.bin.json"]
 
 
 def test_default_dataset_is_stdlib(tok, tmp_path, monkeypatch):
@@ -572,3 +574,42 @@ def test_two_ranks_one_tokenizes_the_other_waits_and_batches_match_dp1(tok, tmp_
     ref = build_dataloader(cfg(dataset_path=data, local_batch_size=4), tok, **kw(tmp_path, gbs=4))
     for step in range(3):
         assert torch.equal(torch.cat([results[0][1][step], results[1][1][step]]), ref.next_step()[0][0])
+
+
+# ---- the build lock ---------------------------------------------------------------------------
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    target = str(tmp_path / "thing")
+    (tmp_path / "thing.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0}))
+    with caplog.at_level("WARNING"):
+        build_once(target, lambda: os.mkdir(target), what="building a thing")
+    assert os.path.isdir(target) and not os.path.exists(target + ".lock")
+    assert f"pid {dead.pid} on this host) is gone" in caplog.text
+
+
+def test_a_data_error_reaches_the_processes_that_waited(tmp_path):
+    """The builder's one-line error is raised by waiters too, instead of each rebuilding."""
+    target = str(tmp_path / "thing")
+    lock = tmp_path / "thing.lock"
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": 0}))  # held, alive
+    outcome = []
+
+    def wait():
+        try:
+            build_once(target, lambda: outcome.append("built"), what="building a thing")
+        except ConfigError as e:
+            outcome.append(str(e))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(1.5)
+    (tmp_path / "thing.error").write_text("data file 'x.jsonl', line 3: is not valid JSON. Fix it.")
+    lock.unlink()  # the builder failed: error first, then the lock goes
+    waiter.join(timeout=30)
+    assert outcome == ["data file 'x.jsonl', line 3: is not valid JSON. Fix it."]

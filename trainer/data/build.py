@@ -136,8 +136,8 @@ def open_store(source: str, tokenizer: Tokenizer, cache_dir: str, *, key: str, n
         store, sidecars = TokenStore.open(files)
         check_token_ids(store, files, sidecars, tokenizer, cache_dir)
         return store
-    pieces = plan_pieces(files, lenient=source == STDLIB)
-    store_dir = build_store(pieces, tokenizer, cache_dir, num_proc=num_proc or default_num_proc(), name=source)
+    store_dir = build_store(files, tokenizer, cache_dir, lenient=source == STDLIB,
+                            num_proc=num_proc or default_num_proc(), name=source)
     return TokenStore.open(store_parts(store_dir))[0]
 
 

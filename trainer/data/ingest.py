@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from trainer.data.documents import Piece, group_pieces, piece_bytes, read_documents
+from trainer.data import documents
+from trainer.data.documents import Piece, group_pieces, piece_bytes, plan_pieces, read_documents
 from trainer.data.lock import build_once
 from trainer.data.store import TokenFileWriter, read_sidecar, token_dtype
 from trainer.tokenizer import Tokenizer
@@ -37,14 +38,16 @@ PROGRESS_EVERY_S = 10.0
 _worker_tokenizer: Tokenizer | None = None
 
 
-def store_key(pieces: list[Piece], tokenizer: Tokenizer) -> str:
-    """Names a store by everything its content depends on: each input file's path, size and
-    mtime, the pieces, the tokenizer and the layout version."""
-    h = hashlib.sha256(f"{LAYOUT_VERSION} {tokenizer.fingerprint} {tokenizer.prepend_bos}".encode())
-    for path in sorted({p.path for p in pieces}):
+def store_key(files: list[str], tokenizer: Tokenizer, *, lenient: bool) -> str:
+    """Names a store by everything its content and its part layout depend on: each input
+    file's path, size and mtime, how they are read and cut into pieces, the tokenizer and
+    the layout version. Computed without opening the files, so a cached store is found fast."""
+    head = (f"{LAYOUT_VERSION} {tokenizer.fingerprint} {tokenizer.prepend_bos} {lenient} "
+            f"{documents.PIECE_BYTES_MIN} {documents.PIECE_BYTES_MAX}")
+    h = hashlib.sha256(head.encode())
+    for path in files:
         st = os.stat(path)
         h.update(f"\n{os.path.abspath(path)} {st.st_size} {st.st_mtime_ns}".encode())
-    h.update(repr([(p.path, p.start, p.stop, p.lenient) for p in pieces]).encode())
     return h.hexdigest()[:32]
 
 
@@ -135,12 +138,14 @@ def _pool_context() -> mp.context.BaseContext:
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
-def write_store(out_dir: str, pieces: list[Piece], tokenizer: Tokenizer, *, num_proc: int, name: str) -> float:
-    """Tokenize `pieces` into the store `out_dir` (via `out_dir.partial/`, reusing finished
-    parts). Returns tokens/s of this call's tokenization. Not locked: see `build_store`."""
-    units = group_pieces(pieces)
+def write_store(out_dir: str, files: list[str], tokenizer: Tokenizer, *, lenient: bool, num_proc: int,
+                name: str) -> float:
+    """Tokenize `files` into the store `out_dir` (via `out_dir.partial/`, reusing finished
+    parts). Returns tokens/s of this call's tokenization. Not locked: see `build_store`.
+    `lenient` reads bad UTF-8 as replacement characters (the stdlib corpus)."""
+    units = group_pieces(plan_pieces(files, lenient=lenient))
     partial = out_dir + ".partial"
-    key, key_file = store_key(pieces, tokenizer), os.path.join(out_dir + ".partial", KEY_FILE)
+    key, key_file = store_key(files, tokenizer, lenient=lenient), os.path.join(partial, KEY_FILE)
     if os.path.isdir(partial) and _read_key(key_file) != key:
         shutil.rmtree(partial)  # parts of other inputs (the files changed since)
     os.makedirs(partial, exist_ok=True)
@@ -168,12 +173,14 @@ def write_store(out_dir: str, pieces: list[Piece], tokenizer: Tokenizer, *, num_
     return rate
 
 
-def build_store(pieces: list[Piece], tokenizer: Tokenizer, cache_dir: str, *, num_proc: int, name: str) -> str:
-    """The store for `pieces` under `cache_dir`, built here or by whichever process got there
+def build_store(files: list[str], tokenizer: Tokenizer, cache_dir: str, *, lenient: bool, num_proc: int,
+                name: str) -> str:
+    """The store of `files` under `cache_dir`, built here or by whichever process got there
     first (see lock.py). Returns its folder."""
     os.makedirs(cache_dir, exist_ok=True)
-    out_dir = os.path.join(cache_dir, f"tokens-{store_key(pieces, tokenizer)}")
-    build_once(out_dir, lambda: write_store(out_dir, pieces, tokenizer, num_proc=num_proc, name=name),
+    out_dir = os.path.join(cache_dir, f"tokens-{store_key(files, tokenizer, lenient=lenient)}")
+    build_once(out_dir, lambda: write_store(out_dir, files, tokenizer, lenient=lenient, num_proc=num_proc,
+                                            name=name),
                what=f"tokenizing {name}")
     return out_dir
 

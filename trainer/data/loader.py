@@ -84,6 +84,12 @@ class TokenDataLoader:
         self.schedule = MixtureSchedule(self.weights)
         self.labels = share_labels([s.name for s in self.sources])
         self.rank_local = self.sources[0].rank_local
+        # Stream positions per step, and where this rank's share starts: a step is G global
+        # positions, rank r taking its G/dp from r*G/dp; a stream is sharded per rank already,
+        # so there a step is this rank's own G/dp positions.
+        per_rank = global_batch_size // dp_degree
+        self._step_positions, self._rank_offset = (per_rank, 0) if self.rank_local else (
+            global_batch_size, dp_rank * per_rank)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
@@ -98,14 +104,13 @@ class TokenDataLoader:
     def grad_accum_steps(self) -> int:
         return self.global_batch_size // (self.dp_degree * self.local_batch_size)
 
+    def _positions_before(self, samples_consumed: int) -> int:
+        return samples_consumed // self.global_batch_size * self._step_positions
+
     def _positions(self, samples_consumed: int) -> np.ndarray:
         """This rank's stream positions for the step that starts at `samples_consumed`."""
-        per_rank = self.global_batch_size // self.dp_degree
-        if self.rank_local:
-            first = samples_consumed // self.global_batch_size * per_rank
-        else:
-            first = samples_consumed + self.dp_rank * per_rank
-        return np.arange(first, first + per_rank, dtype=np.int64)
+        first = self._positions_before(samples_consumed) + self._rank_offset
+        return np.arange(first, first + self.global_batch_size // self.dp_degree, dtype=np.int64)
 
     def rows(self, positions: np.ndarray) -> np.ndarray:
         """Windows at stream `positions`, shape [len(positions), seq_len + 1]."""
@@ -144,10 +149,7 @@ class TokenDataLoader:
         """
         if len(self.sources) == 1:
             return {}
-        consumed = self.samples_consumed
-        if self.rank_local:
-            consumed = consumed // self.global_batch_size * (self.global_batch_size // self.dp_degree)
-        counts = self.schedule.counts(consumed)
+        counts = self.schedule.counts(self._positions_before(self.samples_consumed))
         total = max(int(counts.sum()), 1)
         return {f"data/share/{label}": int(c) / total for label, c in zip(self.labels, counts)}
 
