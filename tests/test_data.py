@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import threading
 import time
 
@@ -367,6 +368,30 @@ def test_streaming_windows_pack_restart_and_resume_with_same_dp(tok):
         make(0, 4).load_state_dict(first.state_dict())
 
 
+def test_streamed_mixture_interleaves_per_rank_and_resumes(tok):
+    def stream(word):
+        docs = datasets.Dataset.from_dict({"text": [f"{word} {i} " * 5 for i in range(40)]}).to_iterable_dataset(2)
+        return StreamWindows(word, split_dataset_by_node(docs, rank=1, world_size=2), tok, 8)
+
+    def make():
+        return TokenDataLoader([stream("alpha"), stream("beta")], [0.75, 0.25], seq_len=8, global_batch_size=8,
+                               local_batch_size=2, dp_rank=1, dp_degree=2, seed=0)
+
+    run = make()
+    steps = [torch.cat([x for x, _ in run.next_step()]) for _ in range(12)]
+    words = [tok.decode(row.tolist()) for step in steps for row in step]
+    from_beta = [("beta" in w) and ("alpha" not in w) for w in words]
+    assert sum(from_beta) == len(words) // 4  # 48 rows of this rank: exactly 12 from beta
+    assert run.shares() == {"data/share/alpha": 0.75, "data/share/beta": 0.25}
+    resumed = make()
+    half = make()
+    for _ in range(5):
+        half.next_step()
+    resumed.load_state_dict(half.state_dict())
+    for step in steps[5:]:
+        assert torch.equal(torch.cat([x for x, _ in resumed.next_step()]), step)
+
+
 def test_streamed_local_source_holds_out_validation_documents(tok, tmp_path):
     docs = [f"doc {i}: " + " ".join(f"w{i}_{j}" for j in range(20)) for i in range(400)]
     path = tmp_path / "c.jsonl"
@@ -494,21 +519,24 @@ def test_pretokenized_input_errors_name_the_file_and_the_id(tok, tmp_path):
         build("f")
 
 
-def test_stdlib_corpus_builds_and_is_cached(tok, tmp_path, monkeypatch):
+def test_stdlib_corpus_builds_and_is_cached(tok, tmp_path, monkeypatch, caplog):
     files = stdlib_files(max_files=300)
     assert len(files) == 300 and files == sorted(files) and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in stdlib_files())
     monkeypatch.setattr(trainer.data.documents, "stdlib_files", lambda: files)
     cache = tmp_path / "cache"
     start = time.perf_counter()
-    tokens = tokens_of("stdlib", tok, cache, num_proc=2)
+    with caplog.at_level("INFO", logger="trainer.data.ingest"):
+        tokens = tokens_of("stdlib", tok, cache, num_proc=2)
     first = time.perf_counter() - start
+    n_docs = sum(os.path.getsize(f) > 0 for f in files)
+    assert re.search(rf"tokenized stdlib: 100%, {n_docs} documents, {len(tokens):,} tokens in .* tokens/s", caplog.text)
     start = time.perf_counter()
     again = tokens_of("stdlib", tok, cache)
     second = time.perf_counter() - start
     np.testing.assert_array_equal(tokens, again)
     assert len(tokens) > 100_000
-    assert (tokens == tok.eos_id).sum() == sum(os.path.getsize(f) > 0 for f in files)
+    assert (tokens == tok.eos_id).sum() == n_docs
     with open(files[0], encoding="utf-8") as f:
         head = f.read(200)
     assert tok.decode(tokens[:200]).startswith(head)
