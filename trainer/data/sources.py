@@ -132,7 +132,7 @@ class StreamWindows(WindowSource):
             pieces.append(doc)
             have += len(doc)
         tokens = np.concatenate(pieces)
-        self._buffer = tokens[need:]
+        self._buffer = tokens[need:].copy()  # a view would keep all of `tokens` alive
         self.next_index += n
         return tokens[:need].reshape(n, width)
 
