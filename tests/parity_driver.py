@@ -1,4 +1,5 @@
-"""Train several configs inside one process group and write each run's metrics to JSON.
+"""Train several configs inside one process group and write each run's metrics to JSON,
+plus, under "batches RUN", a hash of each step's global batch.
 
 Launched by the parity tests under torchrun (one launch per world size), because starting
 a process group costs far more on a 2-core CI machine than the few steps each run trains.
@@ -9,6 +10,7 @@ A run whose args include `--count-comms` also records, per step, the collectives
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -37,6 +39,33 @@ class CountCollectives(TorchDispatchMode):
             name = f"{func.namespace}.{func._opname}"
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def record_global_batches(trainer: Trainer) -> dict[int, list]:
+    """Wrap the loader so each step's input rows are kept: {step: [this rank's rows]}."""
+    rows: dict[int, list] = {}
+    next_step = trainer.dataloader.next_step
+
+    def recording():
+        micro = next_step()
+        rows[trainer.step] = torch.cat([inputs for inputs, _ in micro]).tolist()
+        return micro
+
+    trainer.dataloader.next_step = recording
+    return rows
+
+
+def global_batch_hashes(trainer: Trainer, rows: dict[int, list]) -> dict[int, str] | None:
+    """On rank 0: {step: sha of the step's global batch}, rows of dp ranks in dp order (the
+    same for any dp and local batch size when the loader is mesh-independent)."""
+    gathered = [None] * dist.get_world_size()
+    tp_rank = trainer.meshes.tp.get_local_rank()
+    dist.all_gather_object(gathered, (trainer.dp_rank, tp_rank, rows))
+    if dist.get_rank() != 0:
+        return None
+    by_dp = sorted((dp, r) for dp, tp, r in gathered if tp == 0)
+    return {step: hashlib.sha256(json.dumps([row for _, r in by_dp for row in r[step]]).encode()).hexdigest()[:16]
+            for step in sorted(rows)}
 
 
 def main() -> None:
@@ -69,8 +98,10 @@ def main() -> None:
                 return out
 
             trainer.train_step = counted
+        rows = record_global_batches(trainer)
         trainer.train()
         trainer.close()
+        hashes = global_batch_hashes(trainer, rows)
         # Each run is a separate training job: drop compiled code that captured the previous
         # run's process groups and meshes.
         torch._dynamo.reset()
@@ -79,6 +110,7 @@ def main() -> None:
                 results[" ".join(run)] = [json.loads(line) for line in f]
             if count:
                 results[" ".join(run) + "#comms"] = comms
+            results["batches " + " ".join(run)] = hashes
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -1,5 +1,8 @@
 """Checkpointing through the real trainer: exact resume, resharding, preemption, NaN stop, export.
 
+Resumed runs on dp 1, 2 and 4 must also train on exactly the global batches of the straight
+run (hashes recorded by tests/parity_driver.py).
+
 All runs use the tiny model in fp32 on CPU/gloo with a constant LR after a 2-step warm-up, so
 a run cut at step 10 and resumed to 20 follows the same schedule as an uninterrupted 20-step run.
 """
@@ -37,6 +40,7 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
                   "--checkpoint.folder", ckpt]
     results = launch(tmp_path, 4, base, [straight, first_half])
     reference = losses(results[" ".join(straight)])
+    straight_batches = results["batches " + " ".join(straight)]
     assert sorted(os.listdir(ckpt)) == ["step-10"]
     for name in ("resume_2x2", "resume_4x1", "resume_1x4", "resume_1x1"):
         shutil.copytree(ckpt, tmp_path / name)
@@ -54,6 +58,10 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
     exact = losses(results[" ".join(runs["2x2"])])
     assert sorted(exact) == list(range(11, 21)), "the resumed run starts at step 11"
     assert [exact[s] for s in range(11, 21)] == [reference[s] for s in range(11, 21)], "bitwise-equal losses"
+    assert len(straight_batches) == 20 and len(set(straight_batches.values())) == 20
+    for mesh in ("2x2", "4x1", "1x4", "1x1"):  # dp 2, 4, 1, 1: the same global samples from the memory-mapped store
+        resumed_batches = results["batches " + " ".join(runs[mesh])]
+        assert resumed_batches == {str(s): straight_batches[str(s)] for s in range(11, 21)}, mesh
     for mesh in ("4x1", "1x4", "1x1"):
         got = losses(results[" ".join(runs[mesh])])
         for step in range(11, 21):

@@ -74,7 +74,10 @@ class Training:
     max_norm: float = 1.0  # gradient clipping norm (0 = off)
     steps: int = 10000  # optimizer steps to train
     dataset: str = "stdlib"  # stdlib (embedded default) | a local path | a hub dataset name
-    dataset_path: str = ""  # local folder or glob of .txt/.jsonl/.json/.parquet; overrides dataset
+    dataset_path: str = ""  # local folder or glob of .txt/.jsonl/.json/.parquet or .bin/.npy tokens; overrides dataset
+    dataset_mixture: list = field(default_factory=list)  # SOURCE:WEIGHT items mixed by token share; overrides dataset_path
+    dataset_streaming: bool = False  # stream documents through datasets (tokenized on the fly), no token store
+    dataset_num_proc: int = 0  # processes tokenizing a text corpus into the token store; 0 = all CPUs
     seed: int = 0  # seed for init, data order and dropout-free RNG use
     deterministic: bool = False  # use deterministic algorithms (slower)
     mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
@@ -130,6 +133,7 @@ class Checkpoint:
     initial_load_in_hf: bool = False  # initial_load_path holds Hugging Face safetensors (must be true to use it)
     initial_load_model_only: bool = True  # initial load sets the model only (must stay true for HF weights)
     verify: bool = True  # on resume, check every file against the checkpoint's manifest (size + crc32)
+    allow_data_change: bool = False  # resume on data whose fingerprint differs from the checkpoint's
 
 
 @dataclass
@@ -480,6 +484,8 @@ def _check_values(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}.")
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size must be -1 (auto) or >= 1, got {t.global_batch_size}.")
+    if t.dataset_num_proc < 0:
+        raise ConfigError(f"training.dataset_num_proc must be >= 0 (0 = all CPUs), got {t.dataset_num_proc}.")
     dp = cfg.parallelism.data_parallel_shard_degree
     if dp != -1 and dp < 1:
         raise ConfigError(f"parallelism.data_parallel_shard_degree must be -1 (auto) or >= 1, got {dp}.")

@@ -92,7 +92,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
                            dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)
-        self.dataloader = build_dataloader(cfg.training, run.tokenizer, **loader_args)
+        self.dataloader = build_dataloader(cfg.training, run.tokenizer, **loader_args,
+                                           allow_data_change=cfg.checkpoint.allow_data_change)
         self.val_loader = None
         if cfg.validation.enable:
             self.val_loader = build_dataloader(cfg.training, run.tokenizer, **loader_args, split="validation",
@@ -219,7 +220,7 @@ class Trainer:
                 if self.metrics.should_log(self.step) or last:
                     self._raise_if_nonfinite()
                     self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
-                                     tokens=tokens_since_log)
+                                     tokens=tokens_since_log, extra=self.dataloader.shares())
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
                     self.metrics.log_scalars(self.step, self.validate())
