@@ -210,13 +210,13 @@ TABLE: dict[str, Key] = {
         False, "weft needs no seed checkpoint: its initialization is seeded (training.seed) and the same on every mesh"),
     "checkpoint.load_only": neutral(False, "weft saves the checkpoints of every run that has checkpoint.enable"),
     # [activation_checkpoint]
-    "activation_checkpoint.mode": supported("none, selective, full; memory_budget is refused"),
+    "activation_checkpoint.mode": supported("none, selective, full, memory_budget (memory_budget needs compile)"),
     "activation_checkpoint.selective_ac_option": SUPPORTED,
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": neutral(
         ["moe.router.gate"], "weft's op-level policy saves every other matmul output and takes no module list",
         also=([],)),
     "activation_checkpoint.early_stop": neutral(False, "weft's activation checkpointing always recomputes the whole region"),
-    "activation_checkpoint.memory_budget": inert(0.5, "read only with mode = memory_budget, which weft does not offer"),
+    "activation_checkpoint.memory_budget": SUPPORTED,
     "activation_checkpoint.visualize_memory_budget_pareto": inert(
         False, "read only with mode = memory_budget, which weft does not offer"),
     "activation_checkpoint.preserve_rng_state": inert(True, "weft's Llama 3 has no dropout: nothing random is recomputed"),
