@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models import ModelSpec
 from parallel.activation_checkpoint import apply_activation_checkpointing
-from parallel.compile import apply_compile
+from parallel.compile import apply_compile, key_compile_caches_by_process_groups
 from parallel.fsdp import apply_fsdp
 from parallel.init import sharded_init_normal_
 from parallel.mesh import ParallelDims
@@ -68,6 +68,8 @@ def build_model(
         apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(flags.sequence_parallel, flags.loss_parallel))
         for block in blocks.values():
             apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(flags.sequence_parallel))
+    if cfg.compile.enable:
+        key_compile_caches_by_process_groups(mesh)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
