@@ -1,7 +1,7 @@
 """Build the model and parallelize it: the one place that fixes the order of the steps.
 
 Order (as torchtitan): meta-device construction -> tensor parallel -> activation checkpointing
--> per-block compile -> FSDP -> whole-model compile -> materialize on the device -> init.
+-> per-block compile -> data parallel -> whole-model compile -> materialize on the device -> init.
 TP comes first because AC, compile and FSDP all wrap the TP'd modules; AC wraps each block
 before the block is compiled so the recompute is traced into the compiled region; FSDP comes
 after per-block compile so its hooks stay outside each block's graph; whole-model compile
@@ -19,9 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from models import ModelSpec
 from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.compile import apply_compile, key_compile_caches_by_process_groups
-from parallel.fsdp import apply_fsdp
+from parallel.data_parallel import apply_data_parallel
 from parallel.init import sharded_init_normal_
 from parallel.mesh import ParallelDims
+from parallel.parameter_views import stored_parameters
 from parallel.tensor_parallel import apply_tensor_parallel
 from trainer.config import JobConfig
 
@@ -75,10 +76,10 @@ def build_model(
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
     if cfg.compile.strategy == "blocks":
         apply_compile(model, blocks, cfg.compile)
-    apply_fsdp(
+    apply_data_parallel(
         model,
         spec.fsdp_units(model),
-        mesh["dp"],
+        mesh,
         param_dtype=flags.param_dtype,
         reduce_dtype=flags.reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
@@ -87,5 +88,6 @@ def build_model(
         apply_compile(model, blocks, cfg.compile)
     model.to_empty(device=device)
     torch.manual_seed(cfg.training.seed)
-    model.init_weights(sharded_init_normal_, buffer_device=device)
+    with stored_parameters():  # initialize the parameters themselves, not their compute views
+        model.init_weights(sharded_init_normal_, buffer_device=device)
     return model
