@@ -16,6 +16,7 @@ compiled) block.
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from typing import Callable
 
@@ -111,6 +112,15 @@ def full_context_fn():
     """
     return create_selective_checkpoint_contexts(_recompute_all_but_attention)
 
+
+# AOTAutograd caches a graph with a checkpoint region only if its `context_fn` carries a
+# `cache_hash` naming the save/recompute behaviour (read by torch 2.13's autograd_cache.py;
+# a torch that does not read it bypasses the cache for these graphs, as before). The policies are this file's code and the torch version's
+# op set (the torch version is in the key already), so the file's bytes identify them.
+with open(__file__, "rb") as _source:
+    _POLICY_HASH = hashlib.sha256(_source.read()).hexdigest()
+op_level_context_fn.cache_hash = f"weft-op-sac-{_POLICY_HASH}"
+full_context_fn.cache_hash = f"weft-full-ac-{_POLICY_HASH}"
 
 _CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
 

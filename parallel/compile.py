@@ -16,7 +16,9 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 class Compile(Protocol):
@@ -29,6 +31,31 @@ class Compile(Protocol):
     recompile_limit: int
 
 STRATEGIES = ("blocks", "model")
+
+# Whatever the user set (TORCH_COMPILE_CACHE_KEY_TAG) stays part of the key.
+_USER_CACHE_KEY_TAG = torch.compiler.config.cache_key_tag
+
+
+def key_compile_caches_by_process_groups(mesh: DeviceMesh) -> None:
+    """Make this rank's process groups part of torch.compile's on-disk cache keys.
+
+    Why: a compiled graph calls its collectives by process-group *name*, a string baked into
+    the FX graph cache and AOTAutograd cache entries, but the key those caches compute does
+    not contain it (torch 2.13: a DeviceMesh reaches the graph as an opaque input, hashed by
+    its position only, and a DTensor hashes its mesh by shape and dim names, which every tp
+    group of a 2x2 mesh shares). On a warm cache, ranks 0/1 then load the graph that ranks
+    2/3 wrote, and fail with "Could not resolve the process group registered under the name
+    4" (pytorch#189330 discusses group names in traced graphs). Inductor's all-gather
+    bucketing also bakes the rank into the graph after the key is computed (pytorch#191878).
+
+    The tag names the rank and the group of every mesh dim, so an entry is reused only by a
+    process that resolves the same names to the same groups: the same rank of a later run
+    that builds its groups in the same order. `torch.compiler.config.cache_key_tag` is the
+    public knob for this (torch >= 2.6; checked on 2.11 and 2.13).
+    """
+    groups = ",".join(f"{name}={mesh.get_group(name).group_name}" for name in mesh.mesh_dim_names)
+    tag = f"weft:rank={dist.get_rank()}/{dist.get_world_size()}:groups={groups}"
+    torch.compiler.config.cache_key_tag = f"{_USER_CACHE_KEY_TAG}|{tag}" if _USER_CACHE_KEY_TAG else tag
 
 
 def _set_recompile_limit(limit: int) -> None:

@@ -32,7 +32,11 @@ def apply_fsdp(
     except the last unit's (backward needs them straight away, so keeping them saves one
     all-gather); "always" / "never" apply to every unit, the root included.
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: the default casts every floating input of a unit to
+    # param_dtype, which turns the fp32 RoPE cos/sin table passed to each block into bf16. The
+    # dp = 1 path and the graph engine cast parameters only; with this all three compute the
+    # same bf16 numbers (tests/test_data_parallel.py).
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for index, unit in enumerate(units):
         is_last = index == len(units) - 1
         if reshard_after_forward == "default":

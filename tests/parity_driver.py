@@ -6,6 +6,7 @@ a process group costs far more on a 2-core CI machine than the few steps each ru
 Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
 A run whose args include `--count-comms` also records, per step, the collectives its
 `train_step` issued (keyed by op name, e.g. "c10d._reduce_scatter_base_") under "<run args>#comms".
+Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def global_batch_hashes(trainer: Trainer, rows: dict[int, list]) -> dict[int, st
             for step in sorted(rows)}
 
 
+def _cache_counters() -> dict[str, int]:
+    """Cumulative AOTAutograd and FX graph cache hits/misses of this process (Dynamo's counters)."""
+    counters = torch._dynamo.utils.counters
+    return {**counters["aot_autograd"], **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}
+
+
 def main() -> None:
     out_path, *rest = sys.argv[1:]
     groups, current = [], []
@@ -80,12 +87,13 @@ def main() -> None:
     groups.append(current)
     base, runs = groups[0], groups[1:]
     dist.init_process_group("gloo")
-    results = {}
+    results, cache_stats = {}, {}
     for index, run in enumerate(runs):
         count = "--count-comms" in run
         cfg = load_config(base + [a for a in run if a != "--count-comms"] + ["--job.dump_folder", f"{out_path}.run{index}"])
         resolved = resolve_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
+        before = _cache_counters()
         trainer = Trainer(resolved)
         comms = []
         if count:
@@ -105,6 +113,7 @@ def main() -> None:
         # Each run is a separate training job: drop compiled code that captured the previous
         # run's process groups and meshes.
         torch._dynamo.reset()
+        cache_stats[" ".join(run)] = {k: v - before.get(k, 0) for k, v in _cache_counters().items()}
         if dist.get_rank() == 0:
             with open(os.path.join(cfg.job.dump_folder, "metrics.jsonl")) as f:
                 results[" ".join(run)] = [json.loads(line) for line in f]
@@ -114,6 +123,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
+        with open(f"{out_path}.cache.json", "w") as f:
+            json.dump(cache_stats, f)
     dist.destroy_process_group()
 
 

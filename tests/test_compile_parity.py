@@ -9,6 +9,15 @@ compile (only inductor's partitioner applies a budget). One 4-process launch run
 matrix, a second one the inductor runs with a fresh inductor cache: a training process runs
 one job, and compiled code must not outlive the process groups of an earlier job in the same
 process.
+
+Warm cache: a third launch repeats the inductor runs against the same TORCHINDUCTOR_CACHE_DIR,
+as a user's second run on a machine does, and must train to the same losses. Before the cache
+key named the process groups (parallel/compile.py), whole-model compile died there with "Could
+not resolve the process group registered under the name 4": rank 0 loaded a graph that rank 2
+had written. On torch 2.13 only graphs without a DeviceMesh input are reused across processes
+(a mesh input is hashed with its per-process thread id), so the check that the warm launch
+really loaded something from the cache is made on the whole-model run, whose small TP-hook
+graphs are such graphs.
 """
 
 
@@ -42,7 +51,15 @@ def test_compile_and_ac_matrix_matches_eager(tmp_path, corpus, monkeypatch):
     inductor_runs["blocks_inductor/memory_budget"] = INDUCTOR["blocks_inductor"] + [
         "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.3"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
-    results.update(launch(tmp_path, 4, base, list(inductor_runs.values())))
+    cold, cold_cache = launch(tmp_path, 4, base, list(inductor_runs.values()), cache_stats=True)
+    warm, warm_cache = launch(tmp_path, 4, base, list(inductor_runs.values()), cache_stats=True)
+    for name, overrides in inductor_runs.items():
+        key = " ".join(overrides)
+        assert cold_cache[key].get("autograd_cache_saved", 0) > 0, (name, cold_cache[key])
+        assert [r["loss"] for r in warm[key]] == [r["loss"] for r in cold[key]], f"{name}: warm-cache losses differ"
+    whole_model = " ".join(inductor_runs["model_inductor/sel_op"])
+    assert warm_cache[whole_model].get("autograd_cache_hit", 0) > 0, warm_cache[whole_model]
+    results.update(cold)
     runs.update(inductor_runs)
     reference = [r["loss"] for r in results[" ".join(runs["none/none"])]]
     assert reference[-1] < reference[0]

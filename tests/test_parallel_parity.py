@@ -40,7 +40,9 @@ TP_VARIANTS = [
 ]
 
 
-def launch(tmp_path, nproc, base, runs):
+def launch(tmp_path, nproc, base, runs, *, cache_stats=False):
+    """Train `runs` in one torchrun launch; returns {run: metrics records} (and, with
+    cache_stats, rank 0's compile-cache hit/miss counts per run as a second value)."""
     out = tmp_path / f"world{nproc}-{len(list(tmp_path.glob('world*.json')))}.json"
     args = [str(out), *base]
     for run in runs:
@@ -54,7 +56,11 @@ def launch(tmp_path, nproc, base, runs):
         errors = [line for line in output.splitlines() if "Error" in line and "ChildFailed" not in line]
         pytest.fail("launch failed:\n" + "\n".join(errors[:10]) + "\n---\n" + output[-3000:])
     with open(out) as f:
-        return json.load(f)
+        results = json.load(f)
+    if not cache_stats:
+        return results
+    with open(f"{out}.cache.json") as f:
+        return results, json.load(f)
 
 
 def assert_close_runs(reference, other, label):

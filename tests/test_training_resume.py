@@ -38,7 +38,10 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
                 "--checkpoint.folder", str(tmp_path / "ckpt_straight")]
     first_half = ["--training.steps", "10", "--parallelism.tensor_parallel_degree", "2", *COMPILED,
                   "--checkpoint.folder", ckpt]
-    results = launch(tmp_path, 4, base, [straight, first_half])
+    # dp = 1 (pure TP): parameters without any data-parallel wrapper, saved as tp DTensors.
+    first_half_dp1 = ["--training.steps", "10", "--parallelism.tensor_parallel_degree", "4",
+                      "--checkpoint.folder", str(tmp_path / "resume_2x2_from_1x4")]
+    results = launch(tmp_path, 4, base, [straight, first_half, first_half_dp1])
     reference = losses(results[" ".join(straight)])
     straight_batches = results["batches " + " ".join(straight)]
     assert sorted(os.listdir(ckpt)) == ["step-10"]
@@ -49,7 +52,8 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
         return ["--training.steps", "20", "--parallelism.tensor_parallel_degree", str(tp), *compiled,
                 "--checkpoint.folder", str(tmp_path / name)]
 
-    runs = {"2x2": resumed("resume_2x2", 2, COMPILED), "4x1": resumed("resume_4x1", 1), "1x4": resumed("resume_1x4", 4)}
+    runs = {"2x2": resumed("resume_2x2", 2, COMPILED), "4x1": resumed("resume_4x1", 1), "1x4": resumed("resume_1x4", 4),
+            "2x2 from 1x4": resumed("resume_2x2_from_1x4", 2)}
     results = launch(tmp_path, 4, base, list(runs.values()))
     # -1: the global batch comes from the checkpoint (8), so one rank runs 4 micro-batches of 2.
     runs["1x1"] = resumed("resume_1x1", 1) + ["--training.global_batch_size", "-1"]
@@ -62,7 +66,7 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
     for mesh in ("2x2", "4x1", "1x4", "1x1"):  # dp 2, 4, 1, 1: the same global samples from the memory-mapped store
         resumed_batches = results["batches " + " ".join(runs[mesh])]
         assert resumed_batches == {str(s): straight_batches[str(s)] for s in range(11, 21)}, mesh
-    for mesh in ("4x1", "1x4", "1x1"):
+    for mesh in ("4x1", "1x4", "1x1", "2x2 from 1x4"):
         got = losses(results[" ".join(runs[mesh])])
         for step in range(11, 21):
             rel = abs(got[step] - reference[step]) / reference[step]

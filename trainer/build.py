@@ -1,7 +1,7 @@
 """Build the model and parallelize it: the one place that fixes the order of the steps.
 
 Order (as torchtitan): meta-device construction -> tensor parallel -> activation checkpointing
--> per-block compile -> FSDP -> whole-model compile -> materialize on the device -> init.
+-> per-block compile -> data parallel -> whole-model compile -> materialize on the device -> init.
 TP comes first because AC, compile and FSDP all wrap the TP'd modules; AC wraps each block
 before the block is compiled so the recompute is traced into the compiled region; FSDP comes
 after per-block compile so its hooks stay outside each block's graph; whole-model compile
@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from parallel.activation_checkpoint import apply_activation_checkpointing, set_activation_memory_budget
-from parallel.compile import apply_compile
-from parallel.fsdp import apply_fsdp
+from parallel.compile import apply_compile, key_compile_caches_by_process_groups
+from parallel.data_parallel import apply_data_parallel
 from parallel.init import sharded_init_normal_
 from parallel.mesh import Meshes
+from parallel.parameter_views import stored_parameters
 from parallel.tensor_parallel import apply_tensor_parallel
 from trainer.run import ResolvedRun
 
@@ -32,13 +33,15 @@ def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
         apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))
         for block in blocks.values():
             apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(run.sequence_parallel))
+    if cfg.compile.enable:
+        key_compile_caches_by_process_groups(meshes.world)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     set_activation_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
     if cfg.compile.strategy == "blocks":
         apply_compile(model, blocks, cfg.compile)
-    apply_fsdp(
+    apply_data_parallel(
         model,
         spec.fsdp_units(model),
         meshes.data_parallel,
@@ -50,5 +53,6 @@ def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
         apply_compile(model, blocks, cfg.compile)
     model.to_empty(device=run.device)
     torch.manual_seed(cfg.training.seed)
-    model.init_weights(sharded_init_normal_, buffer_device=run.device)
+    with stored_parameters():  # initialize the parameters themselves, not their compute views
+        model.init_weights(sharded_init_normal_, buffer_device=run.device)
     return model
