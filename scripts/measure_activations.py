@@ -21,39 +21,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from models.llama3.args import ModelArgs  # noqa: E402
-from models.llama3.memory import activation_bytes  # noqa: E402
-from models.llama3.model import TransformerBlock, rope_table  # noqa: E402
-from parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from parallel.memory import ActivationInputs, retained_bytes, saved_tensor_bytes  # noqa: E402
+from models.llama3.memory import check_block  # noqa: E402
 
 ARGS = ModelArgs(dim=384, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim_multiplier=1.0, multiple_of=256,
                  vocab_size=512, max_seq_len=512)
-SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}
-
-
-def measure(kind: str, compiled: bool, tokens: int = 512) -> tuple[int, int]:
-    """(measured bytes, counted bytes) of one block of kind `kind`."""
-    torch.manual_seed(0)
-    blocks = nn.ModuleDict({"0": TransformerBlock(0, ARGS).to(torch.bfloat16)})
-    apply_activation_checkpointing(blocks, *SETTINGS[kind])
-    block = blocks["0"]
-    rope = rope_table(ARGS)
-    x = torch.randn(1, tokens, ARGS.dim, dtype=torch.bfloat16, requires_grad=True)
-    exclude = [x, rope, *block.parameters()]
-    if compiled:
-        block.compile(backend="inductor", fullgraph=True, dynamic=False)
-        block(x, rope).sum().backward()  # compile outside the measurement
-        measured = saved_tensor_bytes(lambda: block(x, rope), exclude)
-    else:
-        measured = retained_bytes(lambda: block(x, rope), exclude)
-    inputs = ActivationInputs(tokens=tokens, tp=1, sequence_parallel=False, loss_parallel=False, compute_bytes=2,
-                              compiled=compiled, fused_norm=False)
-    counted = activation_bytes(ARGS, inputs, [kind]).blocks
-    block_input = 2 * ARGS.dim * tokens
-    return measured, counted - (block_input if kind != "none" else 0)
 
 
 def main() -> int:
@@ -65,7 +38,7 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for compiled in (False,) if args.eager else (False, True):
         for kind in ("none", "full", "op"):
-            measured, counted = measure(kind, compiled)
+            measured, counted = check_block(ARGS, kind, 512, compiled=compiled)
             mode = "compiled" if compiled else "eager"
             print(f"| {kind} | {mode} | {measured:,} | {counted:,} | {measured - counted:+,} |")
     return 0

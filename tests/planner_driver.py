@@ -7,7 +7,7 @@ process group costs far more on a 2-core CI machine than the checks do:
    forward/backward and optimizer step without zeroing, and sum this rank's bytes of
    parameter shards, gradient shards and optimizer state.
 2. On a (2, 2) mesh, run one tensor-parallel Llama block per checkpointing kind, with sequence
-   parallel on and off, and count the bytes it keeps for backward (parallel.memory.retained_bytes).
+   parallel on and off: the bytes it keeps for backward, and the count (models/llama3/memory.py).
 3. Rank 0 alone issues an all-reduce after the timeout was set to 2 s: it must fail, not hang.
 Usage: planner_driver.py OUT.json BASE_ARGS... -- CONFIG_ARGS... -- CONFIG_ARGS...
 """
@@ -23,16 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from models.llama3 import parallelize  # noqa: E402
 from models.llama3.args import ModelArgs  # noqa: E402
-from models.llama3.model import TransformerBlock, rope_table  # noqa: E402
-from parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
-from parallel.memory import retained_bytes  # noqa: E402
-from parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from models.llama3.memory import check_block  # noqa: E402
 from trainer.comm import init_process_group, set_timeout  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
@@ -41,7 +36,6 @@ from trainer.trainer import Trainer  # noqa: E402
 BLOCK_ARGS = ModelArgs(dim=384, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim_multiplier=1.0, multiple_of=256,
                        vocab_size=512, max_seq_len=512)
 BLOCK_TOKENS = 256
-AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}
 
 
 def _local_bytes(tensors) -> int:
@@ -81,26 +75,11 @@ def real_state(argv: list[str]) -> dict:
     return result
 
 
-def block_activations(rank: int) -> dict:
-    """Bytes one tensor-parallel (tp = 2) block keeps for backward, eager, per kind."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    tp_mesh, tp_rank = mesh["tp"], mesh["tp"].get_local_rank()
-    out = {}
-    for sequence_parallel in (True, False):
-        for kind, setting in AC_SETTINGS.items():
-            torch.manual_seed(0)
-            blocks = nn.ModuleDict({"0": TransformerBlock(0, BLOCK_ARGS).to(torch.bfloat16)})
-            apply_tensor_parallel(blocks["0"], tp_mesh, parallelize.block_tp_plan(sequence_parallel))
-            apply_activation_checkpointing(blocks, *setting)
-            x = torch.randn(1, BLOCK_TOKENS, BLOCK_ARGS.dim, dtype=torch.bfloat16)
-            if sequence_parallel:  # the residual stream enters as this rank's sequence shard
-                x = x.chunk(2, dim=1)[tp_rank].contiguous()
-            x.requires_grad_()
-            rope = rope_table(BLOCK_ARGS)
-            block = blocks["0"]
-            out[f"{kind} sp={sequence_parallel}"] = retained_bytes(lambda: block(x, rope),
-                                                                   [x, rope, *block.parameters()])
-    return out
+def block_activations() -> dict:
+    """(measured, counted) bytes one tensor-parallel (tp = 2) block keeps for backward, eager, per kind."""
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    return {f"{kind} sp={sp}": check_block(BLOCK_ARGS, kind, BLOCK_TOKENS, tp_mesh=tp_mesh, sequence_parallel=sp)
+            for sp in (True, False) for kind in ("none", "full", "op")}
 
 
 def timeout_fires() -> dict:
@@ -138,7 +117,7 @@ def main() -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, state)
         result["states"][" ".join(config)] = gathered
-    result["activations"] = block_activations(rank)
+    result["activations"] = block_activations()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

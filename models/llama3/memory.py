@@ -31,8 +31,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
 from models.llama3.args import ModelArgs
-from parallel.memory import ActivationBytes, ActivationInputs
+from models.llama3.model import TransformerBlock, rope_table
+from models.llama3.parallelize import block_tp_plan
+from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.memory import ActivationBytes, ActivationInputs, retained_bytes, saved_tensor_bytes
+from parallel.tensor_parallel import apply_tensor_parallel
 
 
 def _norm_bytes(args: ModelArgs, s: ActivationInputs, tokens: int) -> int:
@@ -91,3 +99,38 @@ def activation_bytes(args: ModelArgs, s: ActivationInputs, block_kinds: Sequence
         block_backward=recompute + gradients,
         logits_columns=args.vocab_size // tp if s.loss_parallel else args.vocab_size,
     )
+
+
+_AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}
+
+
+def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = False, tp_mesh: DeviceMesh | None = None,
+                sequence_parallel: bool = False) -> tuple[int, int]:
+    """(measured, counted) bytes one real bfloat16 block of checkpointing `kind` keeps for
+    backward on this rank, the block input (the caller's) left out of both: the check of the
+    count above. Eager counts every storage the forward leaves alive, compiled what AOTAutograd
+    saves. Runs where it is called (CPU: composite rms_norm, so the count takes fused_norm=False)."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleDict({"0": TransformerBlock(0, args).to(torch.bfloat16)})
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if tp_mesh is not None:
+        apply_tensor_parallel(blocks["0"], tp_mesh, block_tp_plan(sequence_parallel))
+    apply_activation_checkpointing(blocks, *_AC_SETTINGS[kind])
+    block, rope = blocks["0"], rope_table(args)
+    x = torch.randn(1, tokens, args.dim, dtype=torch.bfloat16)
+    if sequence_parallel:  # the residual stream enters as this rank's sequence shard
+        x = x.chunk(tp, dim=1)[tp_mesh.get_local_rank()].contiguous()
+    x.requires_grad_()
+    exclude = [x, rope, *block.parameters()]
+    if compiled:
+        block.compile(backend="inductor", fullgraph=True, dynamic=False)
+        block(x, rope).sum().backward()  # compile outside the measurement
+        measured = saved_tensor_bytes(lambda: block(x, rope), exclude)
+    else:
+        measured = retained_bytes(lambda: block(x, rope), exclude)
+    inputs = ActivationInputs(tokens=tokens, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=False,
+                              compute_bytes=2, compiled=compiled, fused_norm=False)
+    counted = activation_bytes(args, inputs, [kind]).blocks
+    if kind != "none":  # checkpointing keeps the block input: one residual-stream tensor
+        counted -= 2 * args.dim * (tokens // tp if sequence_parallel else tokens)
+    return measured, counted
