@@ -286,19 +286,15 @@ def estimate_memory(
     casts = sum(u.compute_copies for u in units)
     activations = act.blocks + act.outside_blocks + casts
     base = {"parameters": state.params, "optimizer state": state.optimizer}
-    if held:
-        base["gradients held for accumulation"] = held
+    running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
     grad_logits = tokens * act.logits_columns * a
     phases = [
-        Phase("forward: the loss", {**base, "activations": activations, "logits + loss": loss_fwd,
-                                    "gathered parameters": kept}),
-        Phase("backward: the loss", {**base, "activations": activations, "logits + loss": loss_bwd,
-                                     "gathered parameters": kept}),
-        Phase("backward: the head", {**base, "activations": activations, "logits gradient": grad_logits,
+        Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
+        Phase("backward: the loss", {**running, "logits + loss": loss_bwd, "gathered parameters": kept}),
+        Phase("backward: the head", {**running, "logits gradient": grad_logits,
                                      "gathered parameters": kept + block.gathered,
                                      "unit gradients + reduce buffer": head.gathered + head.reduce_buffer}),
-        Phase("backward: the last block", {**base, "activations": activations,
-                                           "block backward working set": act.block_backward,
+        Phase("backward: the last block", {**running, "block backward working set": act.block_backward,
                                            "gathered parameters": 2 * block.gathered,  # it and the prefetched next
                                            "unit gradients + reduce buffer": block.gathered + block.reduce_buffer}),
         Phase("backward: the end", {**base, "gradients": state.grads,

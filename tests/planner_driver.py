@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from models.llama3.args import ModelArgs  # noqa: E402
 from models.llama3.memory import check_block  # noqa: E402
+from tests.dist_utils import split_driver_args  # noqa: E402
 from trainer.comm import init_process_group, set_timeout  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
@@ -98,16 +99,7 @@ def timeout_fires() -> dict:
 
 
 def main() -> None:
-    out_path, *rest = sys.argv[1:]
-    groups, current = [], []
-    for arg in rest:
-        if arg == "--":
-            groups.append(current)
-            current = []
-        else:
-            current.append(arg)
-    groups.append(current)
-    base, configs = groups[0], groups[1:]
+    out_path, base, configs = split_driver_args(sys.argv[1:])
     first = load_config(base + ["--job.dump_folder", f"{out_path}.init"])
     init_process_group(torch.device("cpu"), first.comm, f"{out_path}.traces")
     rank = dist.get_rank()

@@ -28,6 +28,7 @@ BASE = [
     "--training.local_batch_size", "2",
     "--training.steps", "1",
     "--training.device", "cpu",
+    "--lr_scheduler.warmup_steps", "0",
     "--activation_checkpoint.mode", "none",
     "--metrics.log_freq", "1",
     "--metrics.no-enable_tensorboard",

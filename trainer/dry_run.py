@@ -51,6 +51,11 @@ class DryRunPlan:
 
 def world_size_for(cfg: JobConfig) -> int:
     """comm.fake_world_size, else the NGPU environment variable run_train.sh passes on."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker torchrun started
+        raise ConfigError(
+            "comm.mode = 'fake_backend' is a dry run in one process; run it without torchrun: "
+            "COMM_MODE=fake_backend NGPU=N ./run_train.sh, or python train.py ... --comm.fake_world_size N."
+        )
     if cfg.comm.fake_world_size:
         return cfg.comm.fake_world_size
     ngpu = os.environ.get("NGPU", "")
