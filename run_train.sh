@@ -32,7 +32,8 @@ if [ -n "$COMM_MODE" ]; then
     echo "run_train.sh: COMM_MODE must be empty (train) or fake_backend (dry run), got '$COMM_MODE'" >&2
     exit 2
   fi
-  exec "$PYTHON" train.py --job.config_file "$CONFIG_FILE" --comm.mode fake_backend \
+  # LOCAL_WORLD_SIZE: GPUs per node, for the warning when tp would cross nodes.
+  LOCAL_WORLD_SIZE="$NGPU" exec "$PYTHON" train.py --job.config_file "$CONFIG_FILE" --comm.mode fake_backend \
     --comm.fake_world_size "$WORLD_SIZE" "$@"
 fi
 

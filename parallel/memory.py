@@ -23,6 +23,7 @@ Assumptions, stated once (docs/planning.md has the reasoning and the measured er
 from __future__ import annotations
 
 import gc
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -32,7 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement
 from torch.multiprocessing.reductions import StorageWeakRef
 # A dispatch mode is the documented way to see every op's output; the base class and pytree's
-# tree_leaves live in private modules (the same in torch 2.11 and 2.13). Only retained_bytes uses them.
+# tree_leaves live in private modules (long-standing, used across torch; checked on 2.13).
+# Only retained_bytes uses them.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -61,10 +63,7 @@ def _dp_dims(param: torch.Tensor) -> list[int]:
 
 def _dp_shards(param: torch.Tensor) -> int:
     """Into how many pieces the data-parallel mesh dims split `param` (1: not dp-sharded)."""
-    shards = 1
-    for dim in _dp_dims(param):
-        shards *= param.device_mesh.size(dim)
-    return shards
+    return math.prod(param.device_mesh.size(dim) for dim in _dp_dims(param))
 
 
 def _is_dp_sharded(param: torch.Tensor) -> bool:
@@ -100,11 +99,12 @@ class ParamGroup:
     dtype: torch.dtype
 
     @property
+    def local_numel(self) -> int:
+        return self.count * math.prod(self.local_shape)
+
+    @property
     def local_bytes(self) -> int:
-        numel = 1
-        for size in self.local_shape:
-            numel *= size
-        return self.count * numel * self.dtype.itemsize
+        return self.local_numel * self.dtype.itemsize
 
 
 def parameter_groups(model: nn.Module) -> list[ParamGroup]:
@@ -129,9 +129,11 @@ class StateBytes:
 
 
 def state_bytes(model: nn.Module) -> StateBytes:
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_bytes = sum(local_numel(p) * p.dtype.itemsize for p in params)
-    return StateBytes(params=param_bytes, grads=param_bytes, optimizer=2 * param_bytes + 4 * len(params))
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    nbytes = lambda tensors: sum(local_numel(p) * p.dtype.itemsize for p in tensors)  # noqa: E731
+    grads = nbytes(trainable)
+    return StateBytes(params=nbytes(params), grads=grads, optimizer=2 * grads + 4 * len(trainable))
 
 
 @dataclass(frozen=True)
@@ -261,10 +263,10 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The peak of each phase of a training step on one rank, from state, units and activations.
 
-    Phases: the loss (end of forward), the loss's backward, the head's backward, the first
-    block's backward, the end of backward, and the optimizer step. Within backward, freed
-    activations and new gradients change linearly from block to block, so the largest of the
-    first and last block stands for all of them. With gradient accumulation the last
+    Phases: the loss (end of forward), the loss's backward, the head's backward, the last
+    block's backward (the first one backward runs, with every activation still held), the end
+    of backward, and the optimizer step. Within backward, freed activations and new gradients
+    change linearly from block to block, so the two ends stand for all of them. With gradient accumulation the last
     micro-batch is the largest: it runs with the earlier ones' gradients held.
     """
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
@@ -309,7 +311,7 @@ def estimate_memory(
 
 def _unwrap(t: object) -> object:
     """The plain tensor inside a DTensor or a functional collective's AsyncCollectiveTensor (both
-    storage-less wrappers; their `_local_tensor` / `elem` attributes, the same in 2.11-2.13)."""
+    storage-less wrappers; their `_local_tensor` / `elem` attributes, checked on torch 2.13)."""
     while isinstance(t, torch.Tensor) and type(t) is not torch.Tensor:
         inner = getattr(t, "_local_tensor", None)
         if inner is None:

@@ -106,7 +106,7 @@ def test_large_plans_finish_fast_and_shard_every_parameter(flavor, world, replic
     if replicate > 1:
         assert all(g.placements.startswith("(dp_replicate, dp_shard, tp): Replicate") for g in p.groups)
     copies = {g.name: (shard if g.placements.endswith("Replicate") else shard * tp) for g in p.groups}
-    total = sum(g.local_bytes // g.dtype.itemsize * copies[g.name] for g in p.groups)
+    total = sum(g.local_numel * copies[g.name] for g in p.groups)
     assert abs(total - p.num_params) / p.num_params < 1e-3  # FSDP pads uneven dims
 
 

@@ -170,7 +170,7 @@ def format_plan(p: DryRunPlan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) if i != 5 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
               for r in rows]
-    local_params = sum(g.local_bytes // g.dtype.itemsize for g in p.groups)
+    local_params = sum(g.local_numel for g in p.groups)
     lines += [f"  {p.num_params:,} parameters; {local_params:,} on rank 0", ""]
 
     s = m.state
