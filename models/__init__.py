@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -55,6 +55,8 @@ class ModelSpec:
     blocks: Callable[[nn.Module], nn.ModuleDict]
     fsdp_units: Callable[[nn.Module], list]
     hf_adapter: Callable[[Any], HFAdapter]  # (model args, or their asdict() from a checkpoint) -> adapter
+    # (args, parallel.memory.ActivationInputs, each block's checkpointing kind) -> ActivationBytes
+    activation_bytes: Callable[[Any, Any, Sequence[str]], Any]
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -144,6 +144,15 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module, tuple(_CHECKPOINTED_CLASSES.values()))
 
 
+def checkpoint_kind(module: nn.Module) -> str:
+    """How a block is checkpointed: "none", "full" (recompute all but attention and collectives)
+    or "op" (the op-level selective policy); read off the module, so it is what was applied."""
+    for (_, op_level), cls in _CHECKPOINTED_CLASSES.items():
+        if isinstance(module, cls):
+            return "op" if op_level else "full"
+    return "none"
+
+
 def apply_activation_checkpointing(
     blocks: nn.ModuleDict | nn.ModuleList, mode: str, selective_ac_option: str
 ) -> None:

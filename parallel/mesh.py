@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -26,6 +27,10 @@ class Meshes:
     dp: DeviceMesh  # the data-parallel world, replicate x shard: data order, loss mean
     data_parallel: DeviceMesh  # what parameters are sharded over: dp_shard, or (dp_replicate, dp_shard) for HSDP
     tp: DeviceMesh
+
+    def process_groups(self) -> list[ProcessGroup]:
+        """This rank's process group of every mesh dim, and of the flattened dp mesh."""
+        return [*self.world.get_all_groups(), self.dp.get_group()]
 
 
 @dataclass(frozen=True)

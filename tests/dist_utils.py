@@ -35,6 +35,18 @@ def run_distributed(fn: Callable, world_size: int, *args) -> None:
     mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
+def split_driver_args(argv: list[str]) -> tuple[str, list[str], list[list[str]]]:
+    """A driver's `OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...` as (out, base, runs)."""
+    out_path, *rest = argv
+    groups: list[list[str]] = [[]]
+    for arg in rest:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    return out_path, groups[0], groups[1:]
+
+
 def torchrun_train(nproc: int, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Launch train.py under torchrun on CPU with the given overrides."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",

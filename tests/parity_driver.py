@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from tests.dist_utils import split_driver_args  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -76,16 +77,7 @@ def _cache_counters() -> dict[str, int]:
 
 
 def main() -> None:
-    out_path, *rest = sys.argv[1:]
-    groups, current = [], []
-    for arg in rest:
-        if arg == "--":
-            groups.append(current)
-            current = []
-        else:
-            current.append(arg)
-    groups.append(current)
-    base, runs = groups[0], groups[1:]
+    out_path, base, runs = split_driver_args(sys.argv[1:])
     dist.init_process_group("gloo")
     results, cache_stats = {}, {}
     for index, run in enumerate(runs):

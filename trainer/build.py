@@ -25,6 +25,17 @@ from trainer.run import ResolvedRun
 
 def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     """Return the parallelized, initialized model (seeded by training.seed, mesh-independent)."""
+    model = parallelize_model(run, meshes)
+    model.to_empty(device=run.device)
+    torch.manual_seed(run.cfg.training.seed)
+    with stored_parameters():  # initialize the parameters themselves, not their compute views
+        model.init_weights(sharded_init_normal_, buffer_device=run.device)
+    return model
+
+
+def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
+    """The model on the meta device with the whole plan applied (TP, AC, compile wrappers, data
+    parallel) and nothing allocated: what the dry run inspects, and what build_model materializes."""
     cfg, spec = run.cfg, run.spec
     with torch.device("meta"):
         model = spec.model_cls(run.model_args)
@@ -51,8 +62,4 @@ def build_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     )
     if cfg.compile.strategy == "model":
         apply_compile(model, blocks, cfg.compile)
-    model.to_empty(device=run.device)
-    torch.manual_seed(cfg.training.seed)
-    with stored_parameters():  # initialize the parameters themselves, not their compute views
-        model.init_weights(sharded_init_normal_, buffer_device=run.device)
     return model

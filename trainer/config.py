@@ -162,6 +162,20 @@ class Profiling:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = 300  # collective timeout from process-group start until the first step ends (compile is slow)
+    train_timeout_seconds: int = 100  # collective timeout after the first step
+    trace_buf_size: int = 20000  # NCCL flight recorder: collectives kept per rank, dumped on a timeout (0 = off)
+    save_traces_folder: str = "comm_traces"  # flight-recorder dumps; relative: under dump_folder (no '..'); absolute: anywhere
+    save_traces_file_prefix: str = "rank_"  # dump file name = prefix + rank
+    mode: str = "default"  # default (train) | fake_backend (dry run: plan + memory/time estimate in one CPU process, then exit)
+    fake_world_size: int = 0  # ranks a fake_backend dry run simulates; 0 = the NGPU environment variable
+    dry_run_mfu: float = 0.4  # model-FLOPs utilization the dry run's time estimate assumes (a measured mfu / 100 fits best)
+    dry_run_peak_tflops: float = 989.0  # dense bf16 TFLOP/s per GPU for the time estimate (989 = H100/H200 SXM)
+    dry_run_gpu_memory_gib: float = 80.0  # GPU memory the dry run checks the peak against (0 = no check)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -175,6 +189,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -196,6 +211,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
+    "comm.mode": ("default", "fake_backend", "local_tensor"),  # local_tensor is refused (torchtitan's, not weft's)
 }
 
 
@@ -523,11 +539,39 @@ def _check_values(cfg: JobConfig) -> None:
             "activation_checkpoint.mode = 'memory_budget' is carried out by the compiler: "
             "also pass --compile.enable (with 'model' in compile.components), or pick another mode."
         )
+    _check_comm(cfg.comm)
     unknown = set(cfg.compile.components) - {"model", "loss"}
     if unknown:
         raise ConfigError(f"compile.components accepts model and loss; got {sorted(unknown)}.")
     if cfg.compile.enable:
         _check_compile_backend(cfg.compile.backend)
+
+
+def _check_comm(c: Comm) -> None:
+    if c.mode == "local_tensor":
+        raise ConfigError(
+            "comm.mode 'local_tensor' (torchtitan's one-process simulation of every rank's compute) is not "
+            "supported by weft; use comm.mode = 'fake_backend' for a dry run, or 'default' to train."
+        )
+    for key, value in (("comm.init_timeout_seconds", c.init_timeout_seconds),
+                       ("comm.train_timeout_seconds", c.train_timeout_seconds)):
+        if value < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1 second, got {value}.")
+    for key, value in (("comm.trace_buf_size", c.trace_buf_size), ("comm.fake_world_size", c.fake_world_size)):
+        if value < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {value}.")
+    if not 0.0 < c.dry_run_mfu <= 1.0:
+        raise ConfigError(f"comm.dry_run_mfu is a fraction in (0, 1] (e.g. 0.4 for 40% MFU), got {c.dry_run_mfu}.")
+    if not (math.isfinite(c.dry_run_peak_tflops) and c.dry_run_peak_tflops > 0):
+        raise ConfigError(f"comm.dry_run_peak_tflops must be > 0, got {c.dry_run_peak_tflops}.")
+    if not (math.isfinite(c.dry_run_gpu_memory_gib) and c.dry_run_gpu_memory_gib >= 0):
+        raise ConfigError(f"comm.dry_run_gpu_memory_gib must be >= 0 (0 = no check), got {c.dry_run_gpu_memory_gib}.")
+    prefix = c.save_traces_file_prefix
+    if not prefix or os.sep in prefix or prefix in (".", ".."):
+        raise ConfigError(
+            f"comm.save_traces_file_prefix {prefix!r} must be a plain file-name prefix (no '{os.sep}'), e.g. 'rank_'; "
+            "put folders in comm.save_traces_folder."
+        )
 
 
 def _check_compile_backend(backend: str) -> None:

@@ -16,7 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from trainer.comm import init_process_group
 from trainer.config import help_text, load_config_with_notes
+from trainer.dry_run import dry_run
 from trainer.dump_lock import DumpFolderLock
 from trainer.errors import TrainingStopped, WeftError
 from trainer.run import ResolvedRun, resolve_run
@@ -82,17 +84,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_distributed(device: torch.device) -> None:
+def _init_distributed(run: ResolvedRun) -> None:
     """Always run inside a process group (one rank without torchrun) so that the single-process
     path is the same code as the multi-rank one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    init_process_group(run.device, run.cfg.comm, run.paths.comm_traces)
 
 
 def _configure_determinism(run: ResolvedRun) -> None:
@@ -107,7 +105,7 @@ def _train(run: ResolvedRun) -> None:
     from trainer.trainer import Trainer
 
     _configure_determinism(run)
-    _init_distributed(run.device)
+    _init_distributed(run)
     trainer = None
     try:
         trainer = Trainer(run)
@@ -140,6 +138,8 @@ def main(argv: list[str]) -> int:
         setup_logging(_rank(), cfg.job.log_level)
         for note in notes:  # torchtitan keys ignored or translated (trainer/torchtitan_compat.py)
             logger.info(note)
+        if cfg.comm.mode == "fake_backend":
+            return dry_run(cfg)  # one process, no dump-folder lock: it writes nothing
         run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if _rank() == 0:
             lock = DumpFolderLock(run.paths.dump)

@@ -10,11 +10,16 @@ from torch import nn
 from trainer.config import LRScheduler, Optimizer
 
 
+def optimizer_implementation(cfg: Optimizer, device_type: str) -> str:
+    """`optimizer.implementation` with "auto" resolved: fused on CUDA, foreach elsewhere."""
+    if cfg.implementation == "auto":
+        return "fused" if device_type == "cuda" else "foreach"
+    return cfg.implementation
+
+
 def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the trainable params (DTensors included): fused on CUDA, foreach on CPU."""
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+    impl = optimizer_implementation(cfg, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
         params,

@@ -38,6 +38,7 @@ class RunPaths:
     tensorboard: str
     traces: str
     memory_snapshots: str
+    comm_traces: str  # flight-recorder dumps (comm.save_traces_folder)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class ResolvedRun:
     initial_load_path: str | None  # Hugging Face weights to start from when nothing is resumed
 
     @property
+    def dry_run(self) -> bool:
+        """comm.mode = fake_backend: plan and estimate on this CPU, simulating the ranks; train nothing."""
+        return self.cfg.comm.mode == "fake_backend"
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step trains on, over all ranks."""
         return self.global_batch_size * self.cfg.training.seq_len
@@ -78,7 +84,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     _check_model_dependent(cfg, model_args)
     param = cfg.training.mixed_precision_param
     if param == "auto":
-        param = "bfloat16" if device.type == "cuda" else "float32"
+        param = "bfloat16" if target_device_type(cfg) == "cuda" else "float32"
     p = cfg.parallelism
     return ResolvedRun(
         cfg=cfg,
@@ -142,8 +148,18 @@ def _parallel_dims(cfg: JobConfig, world_size: int, spec: ModelSpec, model_args:
     return dims
 
 
+def target_device_type(cfg: JobConfig) -> str:
+    """The device type the run is for: where it runs, except that a dry run (which simulates
+    the ranks on this CPU) plans for GPUs unless training.device says cpu."""
+    if cfg.comm.mode == "fake_backend":
+        return "cpu" if cfg.training.device == "cpu" else "cuda"
+    return _device(cfg).type
+
+
 def _device(cfg: JobConfig) -> torch.device:
     choice = cfg.training.device
+    if cfg.comm.mode == "fake_backend":
+        return torch.device("cpu")  # the dry run's simulated ranks live on this CPU, GPU or not
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device is 'cuda' but no GPU is visible; use --training.device cpu or auto.")
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
@@ -174,6 +190,7 @@ def _paths(cfg: JobConfig) -> RunPaths:
         memory_snapshots=_subfolder(
             dump, cfg.profiling.save_memory_snapshot_folder, "profiling.save_memory_snapshot_folder"
         ),
+        comm_traces=_subfolder(dump, cfg.comm.save_traces_folder, "comm.save_traces_folder"),
     )
 
 

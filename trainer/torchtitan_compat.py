@@ -93,9 +93,6 @@ _INITIAL_LOAD = "weft starts from unquantized Hugging Face safetensors only (che
 _FT = "fault tolerance (TorchFT) is not in weft; checkpoints plus a restart resume the run"
 _WORKERS = "weft's loader cuts pre-tokenized, memory-mapped windows in the training process; it needs no workers"
 _VAL_SHAPE = "weft validates with training.local_batch_size and training.seq_len"
-_COMM = ("weft uses the process group's default timeouts and records no flight-recorder trace "
-         "(comm keys arrive with HSDP and the dry run, issue 11)")
-_NO_EFFECT = "only changes torchtitan's own output; weft has no such option"
 
 TABLE: dict[str, Key] = {
     # [job]
@@ -239,12 +236,12 @@ TABLE: dict[str, Key] = {
     "quantize.grouped_mm.mx.recipe_name": neutral("mxfp8", _CONVERT, gate=CONVERTERS),
     "quantize.grouped_mm.mx.fqns": neutral([], _CONVERT, gate=CONVERTERS),
     # [comm]
-    "comm.init_timeout_seconds": neutral(300, _COMM),
-    "comm.train_timeout_seconds": neutral(100, _COMM),
-    "comm.trace_buf_size": neutral(20000, _COMM, also=(0,)),
-    "comm.save_traces_folder": inert("comm_traces", "weft records no flight-recorder trace"),
-    "comm.save_traces_file_prefix": inert("rank_", "weft records no flight-recorder trace"),
-    "comm.mode": neutral("default", "weft has no fake-backend dry run or local-tensor mode yet (issue 11)"),
+    "comm.init_timeout_seconds": SUPPORTED,
+    "comm.train_timeout_seconds": SUPPORTED,
+    "comm.trace_buf_size": SUPPORTED,
+    "comm.save_traces_folder": SUPPORTED,
+    "comm.save_traces_file_prefix": SUPPORTED,
+    "comm.mode": supported("default and fake_backend (the dry run); local_tensor is refused"),
     # [memory_estimation]
     "memory_estimation.enable": neutral(False, "weft has no memory estimator yet (issue 11); the metrics log measured memory"),
     "memory_estimation.disable_fake_mode": inert(False, "read only by the memory estimator, which weft does not have"),

@@ -28,6 +28,7 @@ from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
 from trainer.checkpoint import CheckpointManager
+from trainer.comm import set_timeout
 from trainer.compile_health import CompileHealth
 from trainer.config import DTYPES, to_toml
 from trainer.data import build_dataloader
@@ -74,6 +75,7 @@ class Trainer:
         self.rank = dist.get_rank()
         self.tokenizer = run.tokenizer
         self.meshes = run.dims.build_meshes(run.device.type)
+        set_timeout(cfg.comm.init_timeout_seconds, self.meshes.process_groups())
         self.dp_rank = self.meshes.dp.get_local_rank()
         self.hf_adapter = run.spec.hf_adapter(run.model_args)
 
@@ -200,6 +202,7 @@ class Trainer:
         gc.collect()
         tokens_per_step = self.run.grad_accum_steps * cfg.training.local_batch_size * cfg.training.seq_len
         tokens_since_log = 0
+        first_step = True
         with maybe_profile(cfg.profiling, folder=self.run.paths.traces, rank=self.rank, start_step=self.step) as profiler, \
                 maybe_memory_snapshot(cfg.profiling, folder=self.run.paths.memory_snapshots, rank=self.rank,
                                       device=self.device, start_step=self.step) as snapshot:
@@ -212,6 +215,9 @@ class Trainer:
                 self.metrics.data_loaded()
                 lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm = self.train_step(batches)
+                if first_step:  # compilation and the first collectives are behind us
+                    set_timeout(cfg.comm.train_timeout_seconds, self.meshes.process_groups())
+                    first_step = False
                 self.nonfinite.update(self.step, loss, grad_norm)
                 tokens_since_log += tokens_per_step // self.dims.tp
                 if self.compile_health is not None:

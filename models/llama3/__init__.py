@@ -2,6 +2,7 @@ from models import ModelSpec
 from models.llama3 import parallelize
 from models.llama3.args import FLAVORS, flavor_args, padded_vocab_size
 from models.llama3.hf import hf_adapter
+from models.llama3.memory import activation_bytes
 from models.llama3.model import Transformer
 
 spec = ModelSpec(
@@ -16,4 +17,5 @@ spec = ModelSpec(
     blocks=parallelize.blocks,
     fsdp_units=parallelize.fsdp_units,
     hf_adapter=hf_adapter,
+    activation_bytes=activation_bytes,
 )

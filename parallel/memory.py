@@ -1,0 +1,369 @@
+"""Per-rank memory of a training step, read off a parallelized model: state exactly, the rest estimated.
+
+Model-agnostic. Parameters, gradients and optimizer state are summed from the model's own
+(possibly meta-device) parameters: each DTensor's local shard and dtype, so the numbers follow
+whatever placements the tensor-parallel plan and the data-parallel engine gave them. Activation
+bytes come from the model family (`ModelSpec.activation_bytes`), which knows what one block
+saves for backward under each activation-checkpointing kind. This module combines them with
+the data-parallel buffers and the loss into the peak of each phase of a step.
+
+Assumptions, stated once (docs/planning.md has the reasoning and the measured error):
+- Gradients have the local shape and dtype of their parameter (FSDP2 reduces into the sharded
+  fp32 parameter's dtype; without a data-parallel wrapper `.grad` matches the parameter).
+- AdamW keeps exp_avg and exp_avg_sq like the parameter, plus one 0-d fp32 `step` per tensor.
+- A parameter sharded over a data-parallel mesh dim is all-gathered before use, one unit at a
+  time, in the compute dtype, with the next unit prefetched; its gradient is reduced from a
+  full-size buffer in the reduce dtype (FSDP2's reduce-scatter input). The last unit stays
+  gathered from its forward into its backward (fsdp_reshard_after_forward = default).
+- A parameter not sharded over any data-parallel dim whose dtype differs from the compute
+  dtype is cast at use, and autograd keeps each cast copy until that layer's backward.
+- Rank 0 is estimated: uneven shards round up on the first ranks, so it holds the most.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement
+from torch.multiprocessing.reductions import StorageWeakRef
+# A dispatch mode is the documented way to see every op's output; the base class and pytree's
+# tree_leaves live in private modules (long-standing, used across torch; checked on 2.13).
+# Only retained_bytes uses them.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+TP_DIM = "tp"  # the mesh dim that is not data parallel (parallel/mesh.py)
+GIB = 1024**3
+
+
+def local_numel(param: torch.Tensor) -> int:
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def _splits(placement: Placement) -> bool:
+    """Whether a placement splits the tensor over its mesh dim: Shard, and FSDP's _StridedShard
+    (which on torch 2.13 is neither a Shard subclass nor `is_shard()`)."""
+    return not (placement.is_replicate() or placement.is_partial())
+
+
+def _dp_dims(param: torch.Tensor) -> list[int]:
+    """The data-parallel mesh dims (every dim but tp) that split `param`."""
+    if not isinstance(param, DTensor):
+        return []
+    names = param.device_mesh.mesh_dim_names or ()
+    return [dim for dim, placement in enumerate(param.placements)
+            if _splits(placement) and (dim >= len(names) or names[dim] != TP_DIM)]
+
+
+def _dp_shards(param: torch.Tensor) -> int:
+    """Into how many pieces the data-parallel mesh dims split `param` (1: not dp-sharded)."""
+    return math.prod(param.device_mesh.size(dim) for dim in _dp_dims(param))
+
+
+def _is_dp_sharded(param: torch.Tensor) -> bool:
+    """Sharded over a data-parallel mesh dim (even one of size 1: it is still gathered before use)."""
+    return bool(_dp_dims(param))
+
+
+def _placement_name(placement: Placement) -> str:
+    if placement.is_replicate():
+        return "Replicate"
+    if placement.is_partial():
+        return "Partial"
+    return f"{type(placement).__name__.lstrip('_')}({placement.dim})"
+
+
+def _placements(param: torch.Tensor) -> str:
+    """e.g. "(dp_shard, tp): StridedShard(0), Shard(0)"; "-" for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return "-"
+    names = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
+    return f"({', '.join(names)}): " + ", ".join(_placement_name(p) for p in param.placements)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters that differ only in their block index, with one placement and local shape."""
+
+    name: str  # e.g. "layers.*.attention.wq.weight"
+    count: int
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: str  # e.g. "(dp_shard, tp): StridedShard(0), Shard(0)"
+    dtype: torch.dtype
+
+    @property
+    def local_numel(self) -> int:
+        return self.count * math.prod(self.local_shape)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local_numel * self.dtype.itemsize
+
+
+def parameter_groups(model: nn.Module) -> list[ParamGroup]:
+    """The model's parameters with numeric path components replaced by '*', grouped by
+    (name, shapes, placements, dtype), in model order: 405B's 1,137 tensors in a dozen rows."""
+    groups: dict[tuple, list] = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        key = (re.sub(r"\.\d+\.", ".*.", name), tuple(param.shape), tuple(local.shape), _placements(param), param.dtype)
+        groups.setdefault(key, []).append(name)
+    return [ParamGroup(name=k[0], count=len(v), global_shape=k[1], local_shape=k[2], placements=k[3], dtype=k[4])
+            for k, v in groups.items()]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes this rank holds for the whole run (optimizer state from the first step on)."""
+
+    params: int
+    grads: int
+    optimizer: int  # AdamW: exp_avg + exp_avg_sq like each parameter, and a 4-byte step per tensor
+
+
+def state_bytes(model: nn.Module) -> StateBytes:
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    nbytes = lambda tensors: sum(local_numel(p) * p.dtype.itemsize for p in tensors)  # noqa: E731
+    grads = nbytes(trainable)
+    return StateBytes(params=nbytes(params), grads=grads, optimizer=2 * grads + 4 * len(trainable))
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """One data-parallel unit (e.g. an FSDP group): what it holds while gathered and reduced."""
+
+    name: str
+    gathered: int  # its parameters after the data-parallel all-gather, in the compute dtype
+    reduce_buffer: int  # its full gradient in the reduce dtype: the reduce-scatter input
+    compute_copies: int  # cast-at-use copies of parameters that are not gathered (not dp-sharded)
+
+
+def unit_bytes(
+    units: Sequence[nn.Module | Sequence[nn.Module]],
+    model: nn.Module,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> list[UnitBytes]:
+    """Per unit, in forward order; parameters in no unit form a last "root" unit."""
+    seen: set[int] = set()
+    out = []
+    for index, unit in enumerate([*units, model]):
+        modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+        params = [p for m in modules for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if not params and unit is model:
+            continue
+        gathered = [p for p in params if _is_dp_sharded(p)]
+        cast = [p for p in params if not _is_dp_sharded(p) and p.dtype != compute_dtype]
+        full = sum(local_numel(p) * _dp_shards(p) for p in gathered)
+        out.append(UnitBytes(
+            name="root" if unit is model else _unit_name(model, modules, index),
+            gathered=full * compute_dtype.itemsize,
+            reduce_buffer=full * reduce_dtype.itemsize,
+            compute_copies=sum(local_numel(p) for p in cast) * compute_dtype.itemsize,
+        ))
+    return out
+
+
+def _unit_name(model: nn.Module, modules: list[nn.Module], index: int) -> str:
+    names = {id(m): n for n, m in model.named_modules()}
+    return "+".join(names.get(id(m), f"unit{index}") for m in modules)
+
+
+@dataclass(frozen=True)
+class ActivationInputs:
+    """What a model family needs to count its activations on one rank."""
+
+    tokens: int  # tokens of one micro-batch, local_batch_size x seq_len (every tp rank sees all of them)
+    tp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    compute_bytes: int  # bytes of one activation element (2 for bf16)
+    compiled: bool  # blocks run under torch.compile
+    fused_norm: bool  # the device has a fused RMSNorm kernel (CUDA); CPU's decomposes and saves more
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """A model family's answer for one micro-batch on one rank."""
+
+    blocks: int  # saved for backward by all blocks
+    outside_blocks: int  # saved for backward outside the blocks (embedding, final norm, head input)
+    block_backward: int  # working set of the largest block's backward: recomputed tensors + gradients
+    logits_columns: int  # columns of the logits on this rank (vocab / tp with loss parallel)
+
+
+def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: int, loss_parallel: bool,
+               compiled: bool) -> tuple[int, int, int]:
+    """(forward peak, saved for backward, backward peak) of the logits and parallel/loss.py's
+    cross-entropy, besides the head's input.
+
+    Eager: the logits (compute dtype), under loss parallel a masked copy when the vocab is
+    padded, an fp32 copy and fp32 log-probabilities (saved); backward holds the log-probs,
+    their gradient and the input gradient, all fp32. Under loss parallel the log-softmax of
+    DTensor's loss_parallel adds one fp32 temporary each way. Compiled (inductor fuses the
+    upcast, softmax and gather): the logits are saved and backward adds their gradient.
+    `real_columns`: the unpadded columns the plain (not loss-parallel) path slices to.
+    """
+    logits = tokens * columns * compute_bytes
+    if compiled:
+        return logits, logits, 2 * logits
+    fp32_columns = columns if loss_parallel else real_columns
+    fp32 = tokens * fp32_columns * 4
+    masked_copy = logits if loss_parallel and real_columns < columns else 0
+    extra = fp32 if loss_parallel else 0
+    return logits + masked_copy + 2 * fp32 + extra, fp32, 3 * fp32 + extra
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    state: StateBytes
+    activations: ActivationBytes
+    activation_total: int  # blocks + outside_blocks + cast copies, one micro-batch
+    loss: tuple[int, int, int]
+    largest_gathered: int
+    accumulated_grads: int  # gradients held between micro-batches (0 without accumulation)
+    phases: list[Phase]
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.total)
+
+
+def estimate_memory(
+    state: StateBytes,
+    units: list[UnitBytes],
+    act: ActivationBytes,
+    act_inputs: ActivationInputs,
+    *,
+    real_columns: int,
+    compiled_loss: bool,
+    grad_accum_steps: int,
+    defer_reduce_scatter: bool,
+    reshard_after_forward: str,
+    foreach_optimizer: bool,
+) -> MemoryEstimate:
+    """The peak of each phase of a training step on one rank, from state, units and activations.
+
+    Phases: the loss (end of forward), the loss's backward, the head's backward, the last
+    block's backward (the first one backward runs, with every activation still held), the end
+    of backward, and the optimizer step. Within backward, freed activations and new gradients
+    change linearly from block to block, so the two ends stand for all of them. With gradient accumulation the last
+    micro-batch is the largest: it runs with the earlier ones' gradients held.
+    """
+    a, tokens = act_inputs.compute_bytes, act_inputs.tokens
+    loss_fwd, loss_saved, loss_bwd = loss_bytes(
+        tokens, act.logits_columns, real_columns, compute_bytes=a, loss_parallel=act_inputs.loss_parallel,
+        compiled=compiled_loss,
+    )
+    gathered_units = [u for u in units if u.gathered]
+    largest = max((u.gathered for u in gathered_units), default=0)
+    head, embedding = units[-1] if units[-1].name != "root" else units[-2], units[0]
+    block = max(units[1:-1] or units, key=lambda u: u.gathered)
+    kept = {"default": head.gathered, "always": 0, "never": sum(u.gathered for u in units)}[reshard_after_forward]
+    if grad_accum_steps == 1:
+        held = 0
+    elif gathered_units and defer_reduce_scatter:
+        held = sum(u.reduce_buffer for u in units)  # unsharded accumulators in the reduce dtype
+    else:
+        held = state.grads
+    casts = sum(u.compute_copies for u in units)
+    activations = act.blocks + act.outside_blocks + casts
+    base = {"parameters": state.params, "optimizer state": state.optimizer}
+    running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
+    grad_logits = tokens * act.logits_columns * a
+    phases = [
+        Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
+        Phase("backward: the loss", {**running, "logits + loss": loss_bwd, "gathered parameters": kept}),
+        Phase("backward: the head", {**running, "logits gradient": grad_logits,
+                                     "gathered parameters": kept + block.gathered,
+                                     "unit gradients + reduce buffer": head.gathered + head.reduce_buffer}),
+        Phase("backward: the last block", {**running, "block backward working set": act.block_backward,
+                                           "gathered parameters": 2 * block.gathered,  # it and the prefetched next
+                                           "unit gradients + reduce buffer": block.gathered + block.reduce_buffer}),
+        Phase("backward: the end", {**base, "gradients": state.grads,
+                                    "unit gradients + reduce buffer": embedding.gathered + embedding.reduce_buffer}),
+        Phase("optimizer step", {**base, "gradients": state.grads,
+                                 "optimizer temporaries": state.params if foreach_optimizer else 0}),
+    ]
+    return MemoryEstimate(state=state, activations=act, activation_total=activations,
+                          loss=(loss_fwd, loss_saved, loss_bwd), largest_gathered=largest,
+                          accumulated_grads=held, phases=phases)
+
+
+def _unwrap(t: object) -> object:
+    """The plain tensor inside a DTensor or a functional collective's AsyncCollectiveTensor (both
+    storage-less wrappers; their `_local_tensor` / `elem` attributes, checked on torch 2.13)."""
+    while isinstance(t, torch.Tensor) and type(t) is not torch.Tensor:
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None)
+        if inner is None:
+            return t
+        t = inner
+    return t
+
+
+def retained_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the storages that eager `fn()` creates and leaves alive, output and `exclude`
+    (parameters, inputs) aside: what autograd, and activation checkpointing, keep for backward.
+
+    The check behind the model families' activation formulas (tests/test_memory_estimate.py,
+    scripts/measure_activations.py). Storages are tracked by weak reference, so a tensor kept
+    by autograd without a Python object is still seen; compiled code allocates outside the
+    dispatcher, so it needs `saved_tensor_bytes` instead.
+    """
+    created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                t = _unwrap(t)
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    known = created.get(storage.data_ptr())
+                    if known is None or known[0].expired():
+                        created[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            return out
+
+    with _Track():
+        out = fn()
+    gc.collect()  # a reference cycle from the forward would otherwise count until the collector ran
+    leaves = [_unwrap(t) for t in (*exclude, *tree_leaves(out))]
+    skip = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    return sum(n for ptr, (ref, n) in created.items() if ptr not in skip and not ref.expired())
+
+
+def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while `fn()` runs, `exclude`
+    aside: works for compiled regions too (AOTAutograd saves through the same hooks), but not
+    inside activation checkpointing, whose own hooks take over (use `retained_bytes` there)."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    return sum(n for ptr, n in saved.items() if ptr not in skip)

@@ -1,0 +1,22 @@
+"""The activation count of a Llama 3 block (models/llama3/memory.py) against a real block on CPU.
+
+Eager, one process: every storage the forward leaves alive, per checkpointing kind, equals the
+count byte for byte. Tensor parallel (tp 2, sequence parallel on and off) is checked the same
+way in tests/test_planner_gloo.py; the compiled counts by scripts/measure_activations.py
+(compiling takes minutes on CPU; docs/planning.md has its output).
+"""
+
+import pytest
+
+from models.llama3.args import ModelArgs
+from models.llama3.memory import check_block
+
+# Llama's shape at a small size: grouped-query attention with 128-wide heads, SwiGLU at 8/3 x dim.
+ARGS = ModelArgs(dim=384, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim_multiplier=1.0, multiple_of=256,
+                 vocab_size=512, max_seq_len=512)
+
+
+@pytest.mark.parametrize("kind", ["none", "full", "op"])
+def test_eager_block_keeps_what_the_count_says(kind):
+    measured, counted = check_block(ARGS, kind, 256)
+    assert measured == counted

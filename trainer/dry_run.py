@@ -1,0 +1,228 @@
+"""The dry run (`comm.mode = "fake_backend"`): plan a job of N GPUs on one CPU, then exit.
+
+`NGPU=64 COMM_MODE=fake_backend CONFIG_FILE=X.toml ./run_train.sh` (torchtitan's spelling) runs
+`train.py --comm.mode fake_backend --comm.fake_world_size 64` in one process. It resolves the
+run exactly as training would, starts PyTorch's fake process group as rank 0 of N, builds the
+meshes and the model on the meta device with the full plan applied by the trainer's own
+`parallelize_model` (TP, activation checkpointing, compile wrappers, data parallel; nothing is
+allocated, initialized or compiled), and prints the mesh, every parameter group's placements
+and local shape, the per-rank memory by phase of a step, and a step-time estimate. A config
+the real run would refuse is refused the same way, in one line, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from parallel.activation_checkpoint import checkpoint_kind
+from parallel.memory import (
+    GIB,
+    ActivationInputs,
+    MemoryEstimate,
+    ParamGroup,
+    UnitBytes,
+    estimate_memory,
+    parameter_groups,
+    state_bytes,
+    unit_bytes,
+)
+from trainer.build import parallelize_model
+from trainer.comm import init_fake_process_group
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+from trainer.optim import optimizer_implementation
+from trainer.run import ResolvedRun, resolve_run, target_device_type
+
+
+@dataclass(frozen=True)
+class DryRunPlan:
+    run: ResolvedRun
+    groups: list[ParamGroup]
+    units: list[UnitBytes]
+    block_kinds: list[str]
+    memory: MemoryEstimate
+    num_params: int
+    flops_per_token: float
+
+
+def world_size_for(cfg: JobConfig) -> int:
+    """comm.fake_world_size, else the NGPU environment variable run_train.sh passes on."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker torchrun started
+        raise ConfigError(
+            "comm.mode = 'fake_backend' is a dry run in one process; run it without torchrun: "
+            "COMM_MODE=fake_backend NGPU=N ./run_train.sh, or python train.py ... --comm.fake_world_size N."
+        )
+    if cfg.comm.fake_world_size:
+        return cfg.comm.fake_world_size
+    ngpu = os.environ.get("NGPU", "")
+    if ngpu.isdigit() and int(ngpu) > 0:
+        return int(ngpu)
+    raise ConfigError(
+        "comm.mode = 'fake_backend' needs the number of GPUs to simulate: set comm.fake_world_size "
+        "(e.g. --comm.fake_world_size 64) or the NGPU environment variable."
+    )
+
+
+def plan(cfg: JobConfig, world_size: int) -> DryRunPlan:
+    """Resolve, build on the fake process group as rank 0 of `world_size`, and estimate."""
+    run = resolve_run(cfg, world_size)
+    init_fake_process_group(world_size)
+    try:
+        meshes = run.dims.build_meshes("cpu")
+        model = parallelize_model(run, meshes)
+        return _plan_of(run, model)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
+    cfg, spec = run.cfg, run.spec
+    device_type = target_device_type(cfg)
+    blocks = spec.blocks(model)
+    kinds = [checkpoint_kind(block) for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)]
+    inputs = ActivationInputs(
+        tokens=cfg.training.local_batch_size * cfg.training.seq_len,
+        tp=run.dims.tp,
+        sequence_parallel=run.sequence_parallel,
+        loss_parallel=run.loss_parallel,
+        compute_bytes=run.param_dtype.itemsize,
+        compiled=cfg.compile.enable and "model" in cfg.compile.components,
+        fused_norm=device_type == "cuda",
+    )
+    units = unit_bytes(spec.fsdp_units(model), model, run.param_dtype, run.reduce_dtype)
+    memory = estimate_memory(
+        state_bytes(model),
+        units,
+        spec.activation_bytes(run.model_args, inputs, kinds),
+        inputs,
+        real_columns=run.tokenizer.n_words,
+        compiled_loss=cfg.compile.enable and "loss" in cfg.compile.components,
+        grad_accum_steps=run.grad_accum_steps,
+        defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
+        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+        foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
+    )
+    return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds, memory=memory,
+                      num_params=model.num_params(), flops_per_token=model.flops_per_token(cfg.training.seq_len))
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """Entry point from trainer/main.py: print the plan and return the exit code (0)."""
+    print(format_plan(plan(cfg, world_size_for(cfg))), flush=True)
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _ac_summary(kinds: list[str]) -> str:
+    counts = {k: kinds.count(k) for k in ("full", "op", "none") if kinds.count(k)}
+    names = {"full": "full", "op": "selective op", "none": "none"}
+    return ", ".join(f"{names[k]} on {n} of {len(kinds)} blocks" for k, n in counts.items())
+
+
+def _dp_traffic(p: DryRunPlan) -> tuple[int, int]:
+    """Bytes this rank sends per step for data parallelism (ring algorithms): over dp_shard, the
+    all-gathers of forward and backward (each micro-batch) and one reduce-scatter (per step, or
+    per micro-batch with gradient_sync = microbatch); over dp_replicate, the gradient all-reduce."""
+    dims, run = p.run.dims, p.run
+    shard_share = (dims.dp_shard - 1) / dims.dp_shard
+    gathered = sum(u.gathered for u in p.units)
+    reduce = sum(u.reduce_buffer for u in p.units)
+    reductions = 1 if run.cfg.parallelism.gradient_sync == "step" else run.grad_accum_steps
+    over_shard = shard_share * (2 * gathered * run.grad_accum_steps + reduce * reductions)
+    over_replicate = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * reduce / dims.dp_shard
+    return int(over_shard), int(over_replicate)
+
+
+def format_plan(p: DryRunPlan) -> str:
+    run, cfg, dims, m = p.run, p.run.cfg, p.run.dims, p.memory
+    t, c = cfg.training, cfg.comm
+    on = {True: "on", False: "off"}
+    lines = [
+        f"dry run: {cfg.model.name} {cfg.model.flavor} on {dims.world_size} simulated ranks "
+        f"(fake process group in one CPU process; nothing was allocated, compiled or trained)",
+        f"mesh: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp} "
+        f"(outermost to innermost) = {dims.world_size} ranks; data parallel {dims.dp}",
+        f"  sequence parallel {on[run.sequence_parallel]}, loss parallel {on[run.loss_parallel]}; "
+        f"parameters {_dtype(p.groups)}, compute {_name(run.param_dtype)}, gradient reduce {_name(run.reduce_dtype)}",
+        f"  batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch per data-parallel rank, "
+        f"{run.grad_accum_steps} micro-batch(es) per step (gradient_sync {cfg.parallelism.gradient_sync}); "
+        f"global {run.global_batch_size} sequences = {run.tokens_per_step:,} tokens per step",
+        f"  activation checkpointing: {_ac_summary(p.block_kinds)}; compile: "
+        + (f"{cfg.compile.strategy} ({', '.join(cfg.compile.components)}), applied, compiled at the first step"
+           if cfg.compile.enable else "off"),
+        "",
+        f"parameters (rank 0 of {dims.world_size}):",
+    ]
+    rows = [("name", "n", "global shape", "local shape", "placements", "local MiB")]
+    rows += [(g.name, str(g.count), _shape(g.global_shape), _shape(g.local_shape), g.placements,
+              f"{g.local_bytes / 2**20:,.1f}") for g in p.groups]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(w) if i != 5 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    local_params = sum(g.local_numel for g in p.groups)
+    lines += [f"  {p.num_params:,} parameters; {local_params:,} on rank 0", ""]
+
+    s = m.state
+    loss_fwd, _, loss_bwd = m.loss
+    lines += [
+        "memory per rank (rank 0 holds the largest shards; parameters, gradients and optimizer state are exact,",
+        "the rest is estimated: docs/planning.md says how and how well):",
+        f"  parameters            {s.params:>18,} B  {_gib(s.params):>12}",
+        f"  gradients             {s.grads:>18,} B  {_gib(s.grads):>12}",
+        f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
+        f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
+        f"saved for backward",
+        f"  logits + loss         {loss_bwd:>18,} B  {_gib(loss_bwd):>12}  backward peak "
+        f"(forward {_gib(loss_fwd)}; loss {'compiled' if cfg.compile.enable and 'loss' in cfg.compile.components else 'eager'})",
+        f"  largest gathered unit {m.largest_gathered:>18,} B  {_gib(m.largest_gathered):>12}  "
+        f"data-parallel all-gather in {_name(run.param_dtype)}",
+    ]
+    if m.accumulated_grads:
+        lines.append(f"  accumulated gradients {m.accumulated_grads:>18,} B  {_gib(m.accumulated_grads):>12}  held "
+                     f"between micro-batches (gradient_sync {cfg.parallelism.gradient_sync})")
+    lines += ["", "peak by phase of a step:"]
+    peak = m.peak
+    for phase in m.phases:
+        mark = "  <- peak" if phase is peak else ""
+        lines.append(f"  {phase.name:<26} {_gib(phase.total):>12}{mark}")
+    parts = ", ".join(f"{name} {_gib(v)}" for name, v in peak.parts.items() if v)
+    lines.append(f"  peak {_gib(peak.total)} = {parts}")
+    if c.dry_run_gpu_memory_gib:
+        share = peak.total / GIB / c.dry_run_gpu_memory_gib
+        verdict = "fits in" if share <= 0.9 else ("is tight in" if share <= 1.0 else "DOES NOT FIT in")
+        lines.append(f"  {verdict} {c.dry_run_gpu_memory_gib:g} GiB per GPU ({share:.0%}; the allocator reserves more "
+                     "than it hands out: keep 10% or more free)")
+    over_shard, over_replicate = _dp_traffic(p)
+    lines += ["", f"data-parallel traffic per rank per step: {_gib(over_shard)} over dp_shard (all-gathers, "
+                  f"reduce-scatter), {_gib(over_replicate)} over dp_replicate (all-reduce)"]
+
+    per_gpu = c.dry_run_mfu * c.dry_run_peak_tflops * 1e12 / p.flops_per_token
+    total = per_gpu * dims.world_size
+    lines += [
+        "",
+        f"time: {p.flops_per_token / 1e9:,.2f} GFLOP per token (6 x non-embedding parameters + 12 x layers x dim x "
+        f"seq_len); at {c.dry_run_mfu:.0%} MFU of {c.dry_run_peak_tflops:g} TFLOP/s (comm.dry_run_mfu, "
+        "comm.dry_run_peak_tflops):",
+        f"  {per_gpu:,.0f} tokens/s per GPU, {total:,.0f} tokens/s in all, {run.tokens_per_step / total:,.2f} s per "
+        f"step, {total * 86400 / 1e9:,.2f} B tokens/day",
+    ]
+    return "\n".join(lines)
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(groups: list[ParamGroup]) -> str:
+    return "/".join(sorted({_name(g.dtype) for g in groups}))
