@@ -38,6 +38,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.loss import CHUNK_ELEMENTS
+
 TP_DIM = "tp"  # the mesh dim that is not data parallel (parallel/mesh.py)
 GIB = 1024**3
 
@@ -206,21 +208,19 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     """(forward peak, saved for backward, backward peak) of the logits and parallel/loss.py's
     cross-entropy, besides the head's input.
 
-    Eager: the logits (compute dtype), under loss parallel a masked copy when the vocab is
-    padded, an fp32 copy and fp32 log-probabilities (saved); backward holds the log-probs,
-    their gradient and the input gradient, all fp32. Under loss parallel the log-softmax of
-    DTensor's loss_parallel adds one fp32 temporary each way. Compiled (inductor fuses the
-    upcast, softmax and gather): the logits are saved and backward adds their gradient.
-    `real_columns`: the unpadded columns the plain (not loss-parallel) path slices to.
+    Eager (parallel/loss.py's chunked cross-entropy): the logits (compute dtype) are saved with
+    one fp32 log-sum-exp per token; forward and backward each hold at most a couple of fp32
+    chunks of CHUNK_ELEMENTS at a time, and backward writes the logits' gradient in their
+    dtype. Compiled (inductor fuses the upcast, softmax and gather): the logits are saved and
+    backward adds their gradient. `real_columns` and `loss_parallel` do not change these sizes
+    (the padded columns and the vocab shards are masked in place).
     """
     logits = tokens * columns * compute_bytes
     if compiled:
         return logits, logits, 2 * logits
-    fp32_columns = columns if loss_parallel else real_columns
-    fp32 = tokens * fp32_columns * 4
-    masked_copy = logits if loss_parallel and real_columns < columns else 0
-    extra = fp32 if loss_parallel else 0
-    return logits + masked_copy + 2 * fp32 + extra, fp32, 3 * fp32 + extra
+    chunks = 2 * 4 * min(tokens * columns, CHUNK_ELEMENTS)
+    saved = logits + 4 * tokens
+    return saved + chunks, saved, 2 * logits + chunks
 
 
 @dataclass(frozen=True)

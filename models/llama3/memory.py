@@ -8,11 +8,12 @@ in docs/planning.md). a = bytes of the compute dtype; d = dim; kv = kv heads x h
 f = FFN hidden size; h = heads.
 
 Eager, no checkpointing, per block:
-  2 norms      each saves its fp32 input (4d) and rstd (4), and its weight's fp32 copy (4d
-               once per block); CPU's composite rms_norm also keeps the fp32 normalized
-               input (another 4d)
+  2 norms      each saves its input (a*d; the fused CUDA kernel) and rstd (4); CPU's composite
+               rms_norm instead keeps the fp32 input and the fp32 normalized input (8d)
   2 x a*d      the projections' input (under sequence parallel: the all-gather's output)
-  3 x a*d/tp   SDPA's inputs: rotated q, and k and v after repeat_interleave to all heads
+  a*d/tp + 2 x a*kv/tp  SDPA's inputs: rotated q, and k and v with their grouped heads (SDPA
+               takes grouped KV heads itself, models/kernels.py)
+  2 x 2a*hd    RoPE's cos/sin table cast to the compute dtype, once for q and once for k
   a*d/tp + 4h/tp  SDPA's output (also wo's input) and its log-sum-exp
   4 x a*f/tp   w1 and w3 outputs, silu's output, their product (w2's input)
 Compiled (inductor's partitioner, measured with torch 2.13): the norms keep one residual
@@ -44,8 +45,9 @@ from parallel.tensor_parallel import apply_tensor_parallel
 
 
 def _norm_bytes(args: ModelArgs, s: ActivationInputs, tokens: int) -> int:
-    """An eager RMSNorm over `tokens` rows: its fp32 input (CPU: and the fp32 normalized input) and rstd."""
-    return (4 if s.fused_norm else 8) * args.dim * tokens + 4 * tokens
+    """An eager RMSNorm over `tokens` rows: its input (CPU composite: the fp32 input and the fp32
+    normalized input) and rstd."""
+    return (s.compute_bytes if s.fused_norm else 8) * args.dim * tokens + 4 * tokens
 
 
 def _block_bytes(args: ModelArgs, s: ActivationInputs) -> dict[str, int]:
@@ -59,6 +61,7 @@ def _block_bytes(args: ModelArgs, s: ActivationInputs) -> dict[str, int]:
     q = attention_out = a * d // tp * t
     attention = attention_out + 4 * h // tp * t  # SDPA's output and log-sum-exp
     v = a * kv // tp * t
+    rope = 2 * 2 * a * args.head_dim * t  # the cos/sin table cast to the compute dtype, for q and for k
     ffn = a * f // tp * t
     if tp == 1:
         collectives = needed_collectives = 0
@@ -74,7 +77,7 @@ def _block_bytes(args: ModelArgs, s: ActivationInputs) -> dict[str, int]:
             "op": residual + attention + needed_collectives + q + v + ffn,
         }
     return {
-        "none": 2 * _norm_bytes(args, s, t_sp) + 2 * 4 * d + 2 * projection_input + 3 * q + attention + 4 * ffn,
+        "none": 2 * _norm_bytes(args, s, t_sp) + 2 * projection_input + q + 2 * v + rope + attention + 4 * ffn,
         "full": residual + attention + collectives,
         "op": residual + attention + collectives + q + v + ffn + a * d * t,
     }
