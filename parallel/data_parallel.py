@@ -1,4 +1,11 @@
-"""Data parallelism: FSDP2 over the dp mesh dim, and the dp = 1 path that uses no wrapper.
+"""Data parallelism: one entry point for both engines, and the dp = 1 path that uses neither.
+
+Engines (`[parallelism] data_parallel_engine`):
+- "fully_shard": FSDP2 (parallel/fsdp.py). Its hooks run eagerly, outside any compiled graph.
+- "graph": parameters stay dp-sharded DTensors and are all-gathered where they are used, in
+  code the compiler traces (parallel/graph_data_parallel.py), so whole-model compile yields one
+  graph with the data-parallel collectives inside it.
+- "auto": "graph" under whole-model compile, "fully_shard" otherwise.
 
 At dp = 1 (one GPU, or pure tensor parallel) no data-parallel wrapper is applied: there is
 nothing to shard or reduce, and FSDP2 on a one-rank mesh still pays for its copy-in/copy-out
@@ -19,7 +26,31 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.fsdp import FSDPUnit, apply_fsdp
+from parallel.graph_data_parallel import apply_graph_data_parallel
 from parallel.parameter_views import install_parameter_views, modules_with_parameters
+
+ENGINES = ("auto", "fully_shard", "graph")
+
+
+def resolve_engine(engine: str, *, whole_model_compile: bool) -> str:
+    """The engine "auto" stands for: "graph" when the whole model is compiled, else "fully_shard"."""
+    if engine not in ENGINES:
+        raise ValueError(f"parallelism.data_parallel_engine must be one of {', '.join(ENGINES)}; got {engine!r}.")
+    if engine == "auto":
+        return "graph" if whole_model_compile else "fully_shard"
+    return engine
+
+
+def traceable(engine: str, dp: int) -> bool:
+    """Whether the compiler can trace the data-parallel work, i.e. the whole model can be one graph."""
+    return dp == 1 or engine == "graph"
+
+
+def describe(engine: str, requested: str, dp: int) -> str:
+    """One line for the log: what runs, and why."""
+    if dp == 1:
+        return "none (dp = 1: fp32 parameters cast to the compute dtype at use)"
+    return f"{engine} (auto)" if requested == "auto" else engine
 
 
 def _cast_to(dtype: torch.dtype):
@@ -41,18 +72,24 @@ def apply_data_parallel(
     units: Sequence[FSDPUnit],
     mesh: DeviceMesh,
     *,
+    engine: str,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str = "default",
 ) -> None:
-    """Apply data parallelism over `mesh["dp"]`.
+    """Apply data parallelism over `mesh["dp"]` with a resolved engine ("fully_shard" | "graph").
 
     `units` are the groups that share one all-gather / reduce-scatter (the embedding, each
     block, norm + head). Apply before weights are materialized and initialized; initialize
     inside `parallel.parameter_views.stored_parameters()`.
     """
+    if engine not in ENGINES[1:]:
+        raise ValueError(f"apply_data_parallel needs a resolved engine (fully_shard or graph), got {engine!r}")
     if mesh["dp"].size() == 1:
         apply_compute_dtype(model, param_dtype)
-    else:
+    elif engine == "fully_shard":
         apply_fsdp(model, units, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward)
+    else:
+        apply_graph_data_parallel(model, units, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                  reshard_after_forward=reshard_after_forward)

@@ -3,7 +3,8 @@
 Launched by the parity tests under torchrun (one launch per world size), because starting
 a process group costs far more on a 2-core CI machine than the few steps each run trains.
 Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
-Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts.
+Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts, and
+with WEFT_RECORD_GRAPHS=1 each run's folder holds compiled_graphs.json (tests/graph_inspection.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.graph_inspection import record_compiled_graphs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.main import prepare  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -47,7 +49,12 @@ def main() -> None:
         torch.manual_seed(cfg.training.seed)
         before = _cache_counters()
         trainer = Trainer(cfg, tokenizer=tokenizer, model_args=model_args, dims=dims, device=torch.device("cpu"))
+        recorded = None
+        if os.environ.get("WEFT_RECORD_GRAPHS") == "1" and dist.get_rank() == 0:
+            recorded = record_compiled_graphs(os.path.join(cfg.job.dump_folder, "compiled_graphs.json"))
         trainer.train()
+        if recorded is not None:
+            torch._inductor.config.post_grad_custom_post_pass = recorded
         trainer.close()
         # Each run is a separate training job: drop compiled code that captured the previous
         # run's process groups and meshes.

@@ -86,6 +86,7 @@ class Parallelism:
     enable_sequence_parallel: bool = True  # shard norms/residual on the sequence dim when tp > 1
     enable_loss_parallel: bool = True  # vocab-sharded logits and cross-entropy when tp > 1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
+    data_parallel_engine: str = "auto"  # auto (graph with compile.strategy=model, else fully_shard) | fully_shard | graph
 
 
 @dataclass
@@ -172,6 +173,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "training.device": ("auto", "cuda", "cpu"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.data_parallel_engine": ("auto", "fully_shard", "graph"),
     "compile.strategy": ("blocks", "model"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "checkpoint.async_mode": ("disabled", "async"),

@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from models import get_model_spec
-from parallel.compile import compile_loss
+from parallel.compile import compile_forward_loss
+from parallel.data_parallel import describe as describe_data_parallel
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
 from parallel.mesh import ParallelDims
@@ -58,7 +59,8 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(cfg.training.seq_len)
         log0(f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, "
              f"mesh dp={dims.dp} x tp={dims.tp}, sequence_parallel={self.flags.sequence_parallel}, "
-             f"loss_parallel={self.flags.loss_parallel}, param dtype {self.flags.param_dtype}")
+             f"loss_parallel={self.flags.loss_parallel}, param dtype {self.flags.param_dtype}, data parallel: "
+             f"{describe_data_parallel(self.flags.data_parallel_engine, cfg.parallelism.data_parallel_engine, dims.dp)}")
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -73,8 +75,12 @@ class Trainer:
                 dump_folder=cfg.job.dump_folder, split="validation",
                 dataset_path=cfg.validation.dataset_path or None,
             )
-        self.loss_fn = compile_loss(
-            lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words), cfg.compile
+        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, tokenizer.n_words)
+        # model + loss: one compiled graph under whole-model compile (the loss is looked up on
+        # self at each call, so it can be swapped, e.g. by tests).
+        self.forward_loss = compile_forward_loss(
+            self.model, lambda logits, labels: self.loss_fn(logits, labels), cfg.compile,
+            fullgraph=self.flags.whole_graph,
         )
 
         self.step = 0
@@ -102,7 +108,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in micro_batches:
             with self._loss_context():
-                loss = self.loss_fn(self.model(inputs), labels) / accum
+                loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
             loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
@@ -131,7 +137,7 @@ class Trainer:
         for _ in range(self.cfg.validation.steps):
             for inputs, labels in self.val_loader.next_step():
                 with self._loss_context():
-                    loss = self.loss_fn(self.model(inputs), labels)
+                    loss = self.forward_loss(inputs, labels)
                 total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
                 del loss  # free this batch's graph before the next forward
                 count += 1
