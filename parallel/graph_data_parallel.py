@@ -51,6 +51,8 @@ Unit = Union[nn.Module, Sequence[nn.Module]]
 
 # node.meta["custom"] key naming the unit a parameter gather belongs to.
 UNIT_KEY = "weft_dp_unit"
+# Names of the process groups the engine shards over, to recognize its collectives in a graph.
+_DP_GROUPS: set[str] = set()
 _CODE_HASH = torch_internals.source_hash(__file__)
 
 
@@ -142,7 +144,9 @@ def apply_graph_data_parallel(
             module._parameters[name] = stored
             views[name] = _gather_view(stored, unit_of[module], param_dtype, reduce_dtype)
         install_parameter_views(module, views)
-    recompute_collectives_on(mesh["dp"].get_group().group_name)
+    dp_group = mesh["dp"].get_group().group_name
+    _DP_GROUPS.add(dp_group)
+    recompute_collectives_on(dp_group)
     if reshard_after_forward != "never":
         torch_internals.install_joint_pass(reshard_after_forward_pass)
     torch_internals.install_post_grad_pass(_BUCKETING_PASS)
@@ -176,12 +180,38 @@ def parameter_derived(graph: fx.Graph, exclude: set[fx.Node] = frozenset()) -> s
     return derived
 
 
+def _check_annotated(graph: fx.Graph) -> None:
+    """Warn (once) if a dp collective lost its unit annotation: then it is neither resharded nor
+    bucketed. That happens on a torch whose Dynamo does not carry `fx.traceback.annotate`
+    into the graph (checked working on 2.13; not run on 2.11)."""
+    if _check_annotated.warned:
+        return
+    for node in graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target in (ALL_GATHER, REDUCE_SCATTER)
+            and str(node.args[-1]) in _DP_GROUPS
+            and torch_internals.annotation(node, UNIT_KEY) is None
+        ):
+            _check_annotated.warned = True
+            logger.warning(
+                "graph data-parallel engine: a data-parallel %s in the compiled graph carries no unit "
+                "annotation on torch %s; it is not resharded after forward nor bucketed",
+                node.target, torch.__version__,
+            )
+            return
+
+
+_check_annotated.warned = False
+
+
 def reshard_after_forward_pass(gm: fx.GraphModule, joint_inputs: object) -> fx.GraphModule:
     """Joint-graph pass: everything the forward computes from parameter gathers alone (the
     cast, the all-gather, its wait, re-layouts, transposes) is recomputed in backward instead
     of saved, which is FSDP2's reshard-after-forward. Activation-checkpoint policies may have
     tagged the all-gather must-save (they save sequence-parallel all-gathers); this tag
     overrides that for parameter gathers only."""
+    _check_annotated(gm.graph)
     for node in parameter_derived(gm.graph, exclude=_backward_nodes(gm.graph)):
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return gm
