@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from parallel.fsdp import FSDPUnit, apply_fsdp
 from parallel.graph_data_parallel import apply_graph_data_parallel
@@ -60,11 +61,34 @@ def _cast_to(dtype: torch.dtype):
     return view
 
 
-def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
-    """dp = 1: every parameter is read as a cast to `param_dtype`; no data-parallel wrapper."""
-    view = _cast_to(param_dtype)
+def _cast_to_local(dtype: torch.dtype):
+    def view(stored: DTensor) -> torch.Tensor:
+        return stored.to(dtype).to_local()
+
+    return view
+
+
+def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> None:
+    """dp = 1: every parameter is read as a cast to `param_dtype`; no data-parallel wrapper.
+
+    With tensor parallel (`tp_mesh`), a parameter TP left a plain tensor (a norm weight without
+    sequence parallel) is stored as a tp-replicated DTensor and read as its local tensor, as
+    before: the optimizer's foreach kernels and gradient clipping take either all plain tensors
+    or all DTensors, not a mix.
+    """
+    cast, cast_local = _cast_to(param_dtype), _cast_to_local(param_dtype)
     for module in modules_with_parameters(model):
-        install_parameter_views(module, {name: view for name, p in module._parameters.items() if p is not None})
+        views = {}
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if tp_mesh is not None and not isinstance(param, DTensor):
+                replicated = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                module._parameters[name] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+                views[name] = cast_local
+            else:
+                views[name] = cast
+        install_parameter_views(module, views)
 
 
 def apply_data_parallel(
@@ -86,7 +110,7 @@ def apply_data_parallel(
     if engine not in ENGINES[1:]:
         raise ValueError(f"apply_data_parallel needs a resolved engine (fully_shard or graph), got {engine!r}")
     if mesh["dp"].size() == 1:
-        apply_compute_dtype(model, param_dtype)
+        apply_compute_dtype(model, param_dtype, mesh["tp"] if mesh["tp"].size() > 1 else None)
     elif engine == "fully_shard":
         apply_fsdp(model, units, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward)

@@ -11,7 +11,6 @@ import signal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from models import get_model_spec
@@ -110,7 +109,7 @@ class Trainer:
             with self._loss_context():
                 loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
-            loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+            loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -138,7 +137,7 @@ class Trainer:
             for inputs, labels in self.val_loader.next_step():
                 with self._loss_context():
                     loss = self.forward_loss(inputs, labels)
-                total += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+                total += loss.detach()
                 del loss  # free this batch's graph before the next forward
                 count += 1
         loss = self._dp_mean(total / count)
