@@ -16,7 +16,6 @@ compiled) block.
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from typing import Callable
 
@@ -26,6 +25,8 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from parallel.torch_internals import source_hash
 
 AC_MODES = ("none", "full", "selective")
 
@@ -135,8 +136,7 @@ def full_context_fn():
 # `cache_hash` naming the save/recompute behaviour (read by torch 2.13's autograd_cache.py;
 # a torch that does not read it bypasses the cache for these graphs, as before). The policies are this file's code and the torch version's
 # op set (the torch version is in the key already), so the file's bytes identify them.
-with open(__file__, "rb") as _source:
-    _POLICY_HASH = hashlib.sha256(_source.read()).hexdigest()
+_POLICY_HASH = source_hash(__file__)
 op_level_context_fn.cache_hash = f"weft-op-sac-{_POLICY_HASH}"
 full_context_fn.cache_hash = f"weft-full-ac-{_POLICY_HASH}"
 

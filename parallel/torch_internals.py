@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-logger = logging.getLogger(__name__)
-
 # 2.11-2.14: the class lives here (torch.distributed.tensor.placement_types).
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402,F401
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: F401
 
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
@@ -59,8 +56,8 @@ _FX_ANNOTATE = getattr(torch.fx.traceback, "annotate", None)
 
 
 def annotate(key: str, value: Any) -> contextlib.AbstractContextManager:
-    """A context in which every traced FX node gets `node.meta["custom"][key] = value` (a
-    no-op context on a torch without `torch.fx.traceback.annotate`)."""
+    """A context in which every traced FX node gets `node.meta["custom"][key] = value`.
+    Eagerly, and on a torch without `torch.fx.traceback.annotate`, it does nothing."""
     if _FX_ANNOTATE is None or not torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return _FX_ANNOTATE({key: value})
