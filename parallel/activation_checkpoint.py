@@ -16,7 +16,6 @@ compiled) block.
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from typing import Callable
 
@@ -26,6 +25,8 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from parallel.torch_internals import source_hash
 
 AC_MODES = ("none", "full", "selective", "memory_budget")
 
@@ -71,6 +72,24 @@ def _ops_to_save() -> frozenset:
 
 _SAVE_OPS = _ops_to_save()
 
+# Process groups whose collectives are recomputed in backward rather than saved: the graph
+# data-parallel engine's parameter all-gathers (parallel/graph_data_parallel.py). Saving
+# them would keep every gathered weight alive from forward to backward.
+_RECOMPUTED_GROUPS: set[str] = set()
+
+
+def recompute_collectives_on(group_name: str) -> None:
+    """Checkpointed regions recompute collectives on this process group instead of saving them."""
+    _RECOMPUTED_GROUPS.add(group_name)
+
+
+def _saved(func, args) -> bool:
+    """Whether an op the policies save always (attention, collectives) is saved for this call.
+    A functional collective names its process group with a string argument."""
+    if func not in _SAVE_OPS:
+        return False
+    return not (_RECOMPUTED_GROUPS and any(isinstance(a, str) and a in _RECOMPUTED_GROUPS for a in args))
+
 
 def op_level_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
     """The selective-AC policy of one checkpointed call; `counts` is that call's matmul counter.
@@ -84,7 +103,7 @@ def op_level_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
             return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
-        if func in _SAVE_OPS:
+        if _saved(func, args):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -97,7 +116,7 @@ def op_level_context_fn():
 
 
 def _recompute_all_but_attention(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if _saved(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def full_context_fn():
@@ -117,8 +136,7 @@ def full_context_fn():
 # `cache_hash` naming the save/recompute behaviour (read by torch 2.13's autograd_cache.py;
 # a torch that does not read it bypasses the cache for these graphs, as before). The policies are this file's code and the torch version's
 # op set (the torch version is in the key already), so the file's bytes identify them.
-with open(__file__, "rb") as _source:
-    _POLICY_HASH = hashlib.sha256(_source.read()).hexdigest()
+_POLICY_HASH = source_hash(__file__)
 op_level_context_fn.cache_hash = f"weft-op-sac-{_POLICY_HASH}"
 full_context_fn.cache_hash = f"weft-full-ac-{_POLICY_HASH}"
 

@@ -1,4 +1,12 @@
-"""Data parallelism: FSDP2 (or HSDP) over the data-parallel mesh, and the dp = 1 path that uses no wrapper.
+"""Data parallelism: one entry point for both engines, and the dp = 1 path that uses neither.
+
+Engines (`[parallelism] data_parallel_engine`):
+- "fully_shard": FSDP2 (parallel/fsdp.py), or HSDP with a replicate dim. Its hooks run eagerly,
+  outside any compiled graph.
+- "graph": parameters stay dp-sharded DTensors and are all-gathered where they are used, in
+  code the compiler traces (parallel/graph_data_parallel.py), so whole-model compile yields one
+  graph with the data-parallel collectives inside it.
+- "auto": "graph" under whole-model compile, "fully_shard" otherwise.
 
 At dp = 1 (one GPU, or pure tensor parallel) no data-parallel wrapper is applied: there is
 nothing to shard or reduce, and FSDP2 on a one-rank mesh still pays for its copy-in/copy-out
@@ -17,9 +25,35 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from parallel.fsdp import FSDPUnit, apply_fsdp
+from parallel.graph_data_parallel import apply_graph_data_parallel
+from parallel.mesh import Meshes
 from parallel.parameter_views import install_parameter_views, modules_with_parameters
+
+ENGINES = ("auto", "fully_shard", "graph")
+
+
+def resolve_engine(engine: str, *, whole_model_compile: bool) -> str:
+    """The engine "auto" stands for: "graph" when the whole model is compiled, else "fully_shard"."""
+    if engine not in ENGINES:
+        raise ValueError(f"parallelism.data_parallel_engine must be one of {', '.join(ENGINES)}; got {engine!r}.")
+    if engine == "auto":
+        return "graph" if whole_model_compile else "fully_shard"
+    return engine
+
+
+def traceable(engine: str, dp: int) -> bool:
+    """Whether the compiler can trace the data-parallel work, i.e. the whole model can be one graph."""
+    return dp == 1 or engine == "graph"
+
+
+def describe(engine: str, requested: str, dp: int) -> str:
+    """One line for the log: what runs, and why."""
+    if dp == 1:
+        return "none (dp = 1: fp32 parameters cast to the compute dtype at use)"
+    return f"{engine} (auto)" if requested == "auto" else engine
 
 
 def _cast_to(dtype: torch.dtype):
@@ -29,31 +63,61 @@ def _cast_to(dtype: torch.dtype):
     return view
 
 
-def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
-    """dp = 1: every parameter is read as a cast to `param_dtype`; no data-parallel wrapper."""
-    view = _cast_to(param_dtype)
+def _cast_to_local(dtype: torch.dtype):
+    def view(stored: DTensor) -> torch.Tensor:
+        return stored.to(dtype).to_local()
+
+    return view
+
+
+def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> None:
+    """dp = 1: every parameter is read as a cast to `param_dtype`; no data-parallel wrapper.
+
+    With tensor parallel (`tp_mesh`), a parameter TP left a plain tensor (a norm weight without
+    sequence parallel) is stored as a tp-replicated DTensor and read as its local tensor, as
+    before: the optimizer's foreach kernels and gradient clipping take either all plain tensors
+    or all DTensors, not a mix.
+    """
+    cast, cast_local = _cast_to(param_dtype), _cast_to_local(param_dtype)
     for module in modules_with_parameters(model):
-        install_parameter_views(module, {name: view for name, p in module._parameters.items() if p is not None})
+        views = {}
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if tp_mesh is not None and not isinstance(param, DTensor):
+                replicated = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                module._parameters[name] = nn.Parameter(replicated, requires_grad=param.requires_grad)
+                views[name] = cast_local
+            else:
+                views[name] = cast
+        install_parameter_views(module, views)
 
 
 def apply_data_parallel(
     model: nn.Module,
     units: Sequence[FSDPUnit],
-    mesh: DeviceMesh,
+    meshes: Meshes,
     *,
+    engine: str,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str = "default",
 ) -> None:
-    """Apply data parallelism over `mesh`: the data-parallel mesh (dp_shard, or (dp_replicate,
-    dp_shard) for HSDP).
+    """Apply data parallelism over `meshes.data_parallel` with a resolved engine ("fully_shard" | "graph").
 
     `units` are the groups that share one all-gather / reduce-scatter (the embedding, each
     block, norm + head). Apply before weights are materialized and initialized; initialize
     inside `parallel.parameter_views.stored_parameters()`.
     """
-    if mesh.size() == 1:
-        apply_compute_dtype(model, param_dtype)
-    else:
-        apply_fsdp(model, units, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+    if engine not in ENGINES[1:]:
+        raise ValueError(f"apply_data_parallel needs a resolved engine (fully_shard or graph), got {engine!r}")
+    if meshes.data_parallel.size() == 1:
+        apply_compute_dtype(model, param_dtype, meshes.tp if meshes.tp.size() > 1 else None)
+    elif engine == "fully_shard":
+        apply_fsdp(model, units, meshes.data_parallel, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward)
+    elif meshes.data_parallel.ndim > 1:
+        raise ValueError("the graph engine shards over one data-parallel dim; HSDP (a replicate dim) needs fully_shard")
+    else:
+        apply_graph_data_parallel(model, units, meshes.world["dp_shard", "tp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                  reshard_after_forward=reshard_after_forward)

@@ -6,7 +6,8 @@ a process group costs far more on a 2-core CI machine than the few steps each ru
 Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
 A run whose args include `--count-comms` also records, per step, the collectives its
 `train_step` issued (keyed by op name, e.g. "c10d._reduce_scatter_base_") under "<run args>#comms".
-Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts.
+Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts, and
+with WEFT_RECORD_GRAPHS=1 each run's folder holds compiled_graphs.json (tests/graph_inspection.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.dist_utils import split_driver_args  # noqa: E402
+from tests.graph_inspection import record_compiled_graphs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
@@ -99,7 +101,12 @@ def main() -> None:
 
             trainer.train_step = counted
         rows = record_global_batches(trainer)
+        recorded = None
+        if os.environ.get("WEFT_RECORD_GRAPHS") == "1" and dist.get_rank() == 0:
+            recorded = record_compiled_graphs(os.path.join(cfg.job.dump_folder, "compiled_graphs.json"))
         trainer.train()
+        if recorded is not None:
+            torch._inductor.config.post_grad_custom_post_pass = recorded
         trainer.close()
         hashes = global_batch_hashes(trainer, rows)
         # Each run is a separate training job: drop compiled code that captured the previous

@@ -1,5 +1,6 @@
-"""apply_compile / compile_loss on one process with cheap backends: what gets compiled, that
-it matches eager, that state-dict names survive, and that [compile] keys take effect."""
+"""apply_compile / compile_loss / compile_forward_loss on one process with cheap backends: what
+gets compiled, that it matches eager, that state-dict names survive, and that [compile] keys
+take effect."""
 
 import copy
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.compile import apply_compile, compile_loss
+from parallel.compile import apply_compile, compile_forward_loss, compile_loss
 from trainer.config import Compile
 
 DIM, VOCAB, SEQ = 16, 32, 8
@@ -64,9 +65,9 @@ def _data():
     return torch.randint(0, VOCAB, (2, SEQ), generator=g), torch.randint(0, VOCAB, (2, SEQ), generator=g)
 
 
-def _step(model, loss=loss_fn):
+def _step(model, loss=loss_fn, forward_loss=None):
     tokens, labels = _data()
-    value = loss(model(tokens), labels)
+    value = forward_loss(tokens, labels) if forward_loss else loss(model(tokens), labels)
     value.backward()
     return value.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -81,24 +82,34 @@ class CountingBackend:
 
     def __init__(self):
         self.graphs = 0
+        self.code = []
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        self.code.append(gm.code)
         return gm.forward
 
 
-@pytest.mark.parametrize("strategy", ["blocks", "model"])
-def test_compiled_matches_eager_and_keeps_names(strategy):
+@pytest.mark.parametrize("strategy,components,reuse", [
+    ("blocks", ["model", "loss"], False),
+    ("model", ["model", "loss"], False),
+    ("model", ["model"], False),
+    ("model", ["model", "loss"], True),
+])
+def test_compiled_matches_eager_and_keeps_names(strategy, components, reuse):
     ref = _model()
     model = copy.deepcopy(ref)
-    assert apply_compile(model, model.layers, _cfg(strategy=strategy)) is model
+    cfg = _cfg(strategy=strategy, components=components)
+    assert apply_compile(model, model.layers, cfg, reuse_blocks=reuse) is model
+    forward_loss = compile_forward_loss(model, loss_fn, cfg)
     loss_ref, grads_ref = _step(ref)
-    loss, grads = _step(model)
+    loss, grads = _step(model, forward_loss=forward_loss)
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-6)
     for name, g in grads.items():
         torch.testing.assert_close(g, grads_ref[name], rtol=0, atol=1e-6, msg=name)
     assert list(model.state_dict()) == list(ref.state_dict())
-    assert type(model) is TinyLM and all(type(b) is Block for b in model.layers.values())
+    assert type(model) is TinyLM
+    assert all(isinstance(b, Block) and (type(b) is Block) != reuse for b in model.layers.values())
 
 
 def test_blocks_strategy_compiles_each_block_only():
@@ -129,11 +140,25 @@ def test_blocks_strategy_is_fullgraph():
 def test_model_strategy_is_one_region():
     model = _model()
     backend = CountingBackend()
-    apply_compile(model, model.layers, _cfg(strategy="model", backend=backend))
+    apply_compile(model, model.layers, _cfg(strategy="model", backend=backend, components=["model"]))
     assert model._compiled_call_impl is not None
     assert all(b._compiled_call_impl is None for b in model.layers.values())
     _step(model)
     assert backend.graphs == 1
+
+
+def test_model_and_loss_are_one_graph():
+    """With "model" and "loss" in components the model is not compiled on its own: one graph
+    holds the model and the cross-entropy."""
+    model = _model()
+    backend = CountingBackend()
+    cfg = _cfg(strategy="model", backend=backend)
+    apply_compile(model, model.layers, cfg)
+    assert model._compiled_call_impl is None
+    forward_loss = compile_forward_loss(model, loss_fn, cfg, fullgraph=True)
+    _step(model, forward_loss=forward_loss)
+    assert backend.graphs == 1
+    assert "cross_entropy" in backend.code[0] and "embedding" in backend.code[0]
 
 
 @pytest.mark.parametrize("cfg", [Compile(enable=False), Compile(enable=True, components=["loss"])])

@@ -1,4 +1,6 @@
-"""dp = 1 without a data-parallel wrapper matches FSDP2 on a one-rank mesh, step for step.
+"""Data-parallel paths that need no training run: dp = 1 numerics, and the graph engine's layout.
+
+dp = 1 without a data-parallel wrapper matches FSDP2 on a one-rank mesh, step for step.
 
 One process trains the tiny model (512-row vocabulary) for 3 AdamW steps twice from the same
 weights and batches: once under `fully_shard` on a 1-rank mesh (the former single-GPU path),
@@ -10,9 +12,15 @@ forward/backward and turn the bf16 gradient into fp32. (With FSDP2's default
 table passed to each block to bf16: losses then differ by up to 4e-5 relative.)
 """
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import ROOT, run_distributed
 
 STEPS = 3
 
@@ -82,3 +90,44 @@ def test_dp1_matches_fsdp2_on_one_rank():
         for name, ref, got in (("loss", fsdp_losses, losses), ("grad norm", fsdp_norms, norms)):
             worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got))
             assert worst < tolerance, f"{dtype} {name}: {ref} vs {got} (rel {worst:.2e})"
+
+
+PLACEMENTS_SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore  # test-only fake backend
+from models import get_model_spec
+from parallel.data_parallel import apply_data_parallel
+from parallel.mesh import ParallelDims
+from parallel.tensor_parallel import apply_tensor_parallel
+world, tp, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+dims = ParallelDims.resolve(world, -1, tp)
+mesh = dims.build_mesh("cpu")
+spec = get_model_spec("llama3")
+args = spec.build_args("8B", vocab_size=128256, max_seq_len=8192)
+layouts = {}
+for engine in ("fully_shard", "graph"):
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(True, True))
+    for block in spec.blocks(model).values():
+        apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(True))
+    apply_data_parallel(model, spec.fsdp_units(model), mesh, engine=engine,
+                        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    layouts[engine] = {n: [str(p.device_mesh.mesh_dim_names), str(p.placements), list(p.shape), list(p.to_local().shape)]
+                       for n, p in model.named_parameters()}
+print(json.dumps(layouts))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world, tp, rank", [(128, 8, 3), (24, 8, 23)])  # even; dp = 3 leaves uneven shards
+def test_graph_engine_lays_out_parameters_as_fully_shard(world, tp, rank):
+    """Same names, meshes, placements, global and local shapes as fully_shard (8B, fake process
+    group), so optimizer state and DCP checkpoints are interchangeable between the engines."""
+    proc = subprocess.run([sys.executable, "-c", PLACEMENTS_SCRIPT, str(world), str(tp), str(rank)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layouts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert layouts["graph"] == layouts["fully_shard"]
+    assert "_StridedShard" in layouts["graph"]["layers.0.attention.wq.weight"][1]

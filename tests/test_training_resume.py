@@ -1,10 +1,9 @@
 """Checkpointing through the real trainer: exact resume, resharding, preemption, NaN stop, export.
 
-Resumed runs on dp 1, 2 and 4 must also train on exactly the global batches of the straight
-run (hashes recorded by tests/parity_driver.py).
-
 All runs use the tiny model in fp32 on CPU/gloo with a constant LR after a 2-step warm-up, so
 a run cut at step 10 and resumed to 20 follows the same schedule as an uninterrupted 20-step run.
+Resumed runs on dp 1, 2 and 4 must also train on exactly the global batches of the straight
+run (hashes recorded by tests/parity_driver.py).
 """
 
 import json
@@ -24,7 +23,9 @@ RESUME = BASE + [
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
     "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval", "10",
 ]
-COMPILED = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.strategy", "model"]
+GRAPH = ["--parallelism.data_parallel_engine", "graph"]
+FULLY_SHARD = ["--parallelism.data_parallel_engine", "fully_shard"]
+COMPILED = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.strategy", "model", *GRAPH]
 
 
 def losses(records):
@@ -32,45 +33,64 @@ def losses(records):
 
 
 def test_exact_resume_and_reshard(tmp_path, corpus):
+    """Saved at step 10, resumed to 20, against an uninterrupted 20-step run (whole-model compile,
+    graph engine, 2x2): bitwise equal on the same mesh and engine, within 1e-5 relative after
+    resharding to another mesh, engine or the dp = 1 path.
+
+    Engines: the graph engine's 2x2 checkpoint resumes under fully_shard on 4x1, and a
+    fully_shard 2x2 checkpoint under the graph engine on 4x1. dp = 1: the 2x2 checkpoint
+    resumes on 1x4 and 1x1 (no data-parallel wrapper; on 1x1 with global_batch_size -1, which takes
+    the checkpoint's global batch), and a 1x4 checkpoint resumes on 2x2. Every resumed step trains
+    on the straight run's global batch (a hash of its rows)."""
     base = RESUME + ["--training.dataset_path", corpus]
-    ckpt = str(tmp_path / "ckpt_2x2")
-    straight = ["--training.steps", "20", "--parallelism.tensor_parallel_degree", "2", *COMPILED,
-                "--checkpoint.folder", str(tmp_path / "ckpt_straight")]
-    first_half = ["--training.steps", "10", "--parallelism.tensor_parallel_degree", "2", *COMPILED,
-                  "--checkpoint.folder", ckpt]
-    # dp = 1 (pure TP): parameters without any data-parallel wrapper, saved as tp DTensors.
-    first_half_dp1 = ["--training.steps", "10", "--parallelism.tensor_parallel_degree", "4",
-                      "--checkpoint.folder", str(tmp_path / "resume_2x2_from_1x4")]
-    results = launch(tmp_path, 4, base, [straight, first_half, first_half_dp1])
+
+    def run(steps, tp, folder, *extra):
+        return ["--training.steps", str(steps), "--parallelism.tensor_parallel_degree", str(tp), *extra,
+                "--checkpoint.folder", str(tmp_path / folder)]
+
+    straight = run(20, 2, "ckpt_straight", *COMPILED)
+    saved = {  # folder the first half saves into -> how it is trained
+        "graph_2x2": run(10, 2, "graph_2x2", *COMPILED),
+        "fully_shard_2x2": run(10, 2, "fully_shard_2x2", *FULLY_SHARD),
+        "dp1_1x4": run(10, 4, "dp1_1x4"),
+    }
+    results = launch(tmp_path, 4, base, [straight, *saved.values()])
     reference = losses(results[" ".join(straight)])
     straight_batches = results["batches " + " ".join(straight)]
-    assert sorted(os.listdir(ckpt)) == ["step-10"]
-    for name in ("resume_2x2", "resume_4x1", "resume_1x4", "resume_1x1"):
-        shutil.copytree(ckpt, tmp_path / name)
+    assert len(straight_batches) == 20 and len(set(straight_batches.values())) == 20
+    for folder in saved:
+        assert sorted(os.listdir(tmp_path / folder)) == ["step-10"], folder
 
-    def resumed(name, tp, compiled=()):
-        return ["--training.steps", "20", "--parallelism.tensor_parallel_degree", str(tp), *compiled,
-                "--checkpoint.folder", str(tmp_path / name)]
-
-    runs = {"2x2": resumed("resume_2x2", 2, COMPILED), "4x1": resumed("resume_4x1", 1), "1x4": resumed("resume_1x4", 4),
-            "2x2 from 1x4": resumed("resume_2x2_from_1x4", 2)}
-    results = launch(tmp_path, 4, base, list(runs.values()))
+    resumes = {  # name -> (checkpoint it starts from, mesh tp degree, overrides)
+        "2x2 graph, exact": ("graph_2x2", 2, COMPILED),
+        "4x1 fully_shard from graph": ("graph_2x2", 1, FULLY_SHARD),
+        "4x1 graph from fully_shard": ("fully_shard_2x2", 1, COMPILED),
+        "1x4 dp=1 from graph": ("graph_2x2", 4, ()),
+        "2x2 from dp=1": ("dp1_1x4", 2, FULLY_SHARD),
+        "1x1 dp=1 from graph": ("graph_2x2", 1, ()),
+    }
+    runs = {}
+    for name, (source, tp, extra) in resumes.items():
+        folder = f"resume_{len(runs)}"
+        shutil.copytree(tmp_path / source, tmp_path / folder)
+        runs[name] = run(20, tp, folder, *extra)
     # -1: the global batch comes from the checkpoint (8), so one rank runs 4 micro-batches of 2.
-    runs["1x1"] = resumed("resume_1x1", 1) + ["--training.global_batch_size", "-1"]
-    results.update(launch(tmp_path, 1, base, [runs["1x1"]]))
+    runs["1x1 dp=1 from graph"] += ["--training.global_batch_size", "-1"]
+    single = "1x1 dp=1 from graph"
+    results = launch(tmp_path, 4, base, [r for name, r in runs.items() if name != single])
+    results.update(launch(tmp_path, 1, base, [runs[single]]))
 
-    exact = losses(results[" ".join(runs["2x2"])])
+    exact = losses(results[" ".join(runs["2x2 graph, exact"])])
     assert sorted(exact) == list(range(11, 21)), "the resumed run starts at step 11"
     assert [exact[s] for s in range(11, 21)] == [reference[s] for s in range(11, 21)], "bitwise-equal losses"
-    assert len(straight_batches) == 20 and len(set(straight_batches.values())) == 20
-    for mesh in ("2x2", "4x1", "1x4", "1x1"):  # dp 2, 4, 1, 1: the same global samples from the memory-mapped store
-        resumed_batches = results["batches " + " ".join(runs[mesh])]
-        assert resumed_batches == {str(s): straight_batches[str(s)] for s in range(11, 21)}, mesh
-    for mesh in ("4x1", "1x4", "1x1", "2x2 from 1x4"):
-        got = losses(results[" ".join(runs[mesh])])
+    for name, overrides in runs.items():
+        # dp 2, 4, 1: the same global samples from the memory-mapped store after any reshard
+        resumed_batches = results["batches " + " ".join(overrides)]
+        assert resumed_batches == {str(s): straight_batches[str(s)] for s in range(11, 21)}, name
+        got = losses(results[" ".join(overrides)])
         for step in range(11, 21):
             rel = abs(got[step] - reference[step]) / reference[step]
-            assert rel < 1e-5, f"{mesh} step {step}: {got[step]} vs {reference[step]}"
+            assert rel < 1e-5, f"{name} step {step}: {got[step]} vs {reference[step]}"
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path, corpus):

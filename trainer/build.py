@@ -2,10 +2,12 @@
 
 Order (as torchtitan): meta-device construction -> tensor parallel -> activation checkpointing
 -> per-block compile -> data parallel -> whole-model compile -> materialize on the device -> init.
-TP comes first because AC, compile and FSDP all wrap the TP'd modules; AC wraps each block
-before the block is compiled so the recompute is traced into the compiled region; FSDP comes
-after per-block compile so its hooks stay outside each block's graph; whole-model compile
-goes last so the graph covers the FSDP-wrapped model as it will run.
+TP comes first because AC, compile and data parallel all wrap the TP'd modules; AC wraps each
+block before the block is compiled so the recompute is traced into the compiled region; FSDP
+comes after per-block compile so its hooks stay outside each block's graph (the graph engine's
+gathers, which run inside the blocks, are traced either way); whole-model compile goes last so
+the graph covers the model as it will run. When the loss is compiled with the model, the
+trainer compiles the two together (parallel.compile.compile_forward_loss).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from parallel.data_parallel import apply_data_parallel
 from parallel.init import sharded_init_normal_
 from parallel.mesh import Meshes
 from parallel.parameter_views import stored_parameters
+from parallel.torch_internals import joint_pass_cache_hash
 from parallel.tensor_parallel import apply_tensor_parallel
 from trainer.run import ResolvedRun
 
@@ -44,8 +47,6 @@ def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
         apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))
         for block in blocks.values():
             apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(run.sequence_parallel))
-    if cfg.compile.enable:
-        key_compile_caches_by_process_groups(meshes.world)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     set_activation_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
@@ -55,11 +56,17 @@ def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     apply_data_parallel(
         model,
         spec.fsdp_units(model),
-        meshes.data_parallel,
+        meshes,
+        engine=run.data_parallel_engine,
         param_dtype=run.param_dtype,
         reduce_dtype=run.reduce_dtype,
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
     )
     if cfg.compile.strategy == "model":
-        apply_compile(model, blocks, cfg.compile)
+        # A block compiled once and reused inside the whole-model graph; only without DTensors
+        # (dp = tp = 1), where it works on torch 2.13 (docs/compile_and_ac.md).
+        apply_compile(model, blocks, cfg.compile, fullgraph=run.whole_graph, reuse_blocks=run.dims.world_size == 1)
+    if cfg.compile.enable:
+        # After data parallel: the engine's joint-graph pass is part of what the key names.
+        key_compile_caches_by_process_groups(meshes.world, extra=joint_pass_cache_hash())
     return model

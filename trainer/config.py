@@ -95,6 +95,7 @@ class Parallelism:
     enable_loss_parallel: bool = True  # vocab-sharded logits and cross-entropy when tp > 1
     fsdp_reshard_after_forward: str = "default"  # default | always | never
     gradient_sync: str = "step"  # with accumulation: step (reduce once per step) | microbatch (reduce-scatter each)
+    data_parallel_engine: str = "auto"  # auto (graph with compile.strategy=model, else fully_shard) | fully_shard | graph
 
 
 @dataclass
@@ -207,6 +208,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": ("auto", "cuda", "cpu"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "parallelism.gradient_sync": ("step", "microbatch"),
+    "parallelism.data_parallel_engine": ("auto", "fully_shard", "graph"),
     "compile.strategy": ("blocks", "model"),
     "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
     "checkpoint.async_mode": ("disabled", "async"),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from models import MODEL_NAMES, ModelSpec, get_model_spec
+from parallel.data_parallel import resolve_engine, traceable
 from parallel.mesh import ParallelConfigError, ParallelDims
 from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
 from trainer.config import DTYPES, JobConfig
@@ -53,6 +54,8 @@ class ResolvedRun:
     loss_parallel: bool
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
+    whole_graph: bool  # nothing in the model is hidden from the compiler (no FSDP2 hooks)
     global_batch_size: int  # sequences per optimizer step over all data-parallel ranks
     grad_accum_steps: int  # micro-batches per step on each data-parallel rank
     paths: RunPaths
@@ -85,7 +88,15 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     param = cfg.training.mixed_precision_param
     if param == "auto":
         param = "bfloat16" if target_device_type(cfg) == "cuda" else "float32"
-    p = cfg.parallelism
+    p, c = cfg.parallelism, cfg.compile
+    engine = resolve_engine(p.data_parallel_engine,
+                            whole_model_compile=c.enable and c.strategy == "model" and "model" in c.components)
+    if engine == "graph" and dims.dp_replicate > 1:
+        raise ConfigError(
+            "parallelism.data_parallel_engine = 'graph' shards over one data-parallel dim and does not do HSDP "
+            "yet; with data_parallel_replicate_degree > 1 use data_parallel_engine = 'fully_shard' "
+            "(or 'auto' with compile.strategy = 'blocks')."
+        )
     return ResolvedRun(
         cfg=cfg,
         spec=spec,
@@ -97,6 +108,8 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+        data_parallel_engine=engine,
+        whole_graph=traceable(engine, dims.dp),
         global_batch_size=global_batch,
         grad_accum_steps=global_batch // (cfg.training.local_batch_size * dims.dp),
         paths=paths,

@@ -19,10 +19,10 @@ import signal
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from parallel.compile import compile_loss
+from parallel.compile import compile_forward_loss
+from parallel.data_parallel import describe as describe_data_parallel
 from parallel.fsdp import set_gradient_sync
 from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
@@ -42,10 +42,6 @@ from trainer.profiling import maybe_memory_snapshot, maybe_profile
 from trainer.run import ResolvedRun
 
 logger = logging.getLogger(__name__)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _NonFiniteWatch:
@@ -87,7 +83,8 @@ class Trainer:
             f"model {cfg.model.name} {cfg.model.flavor}: {self.num_params:,} parameters, mesh dp_replicate="
             f"{run.dims.dp_replicate} x dp_shard={run.dims.dp_shard} x tp={run.dims.tp}, sequence_parallel={run.sequence_parallel}, loss_parallel={run.loss_parallel}, "
             f"param dtype {run.param_dtype}, global batch {run.global_batch_size} "
-            f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank)"
+            f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank), data parallel: "
+            f"{describe_data_parallel(run.data_parallel_engine, cfg.parallelism.data_parallel_engine, run.dims.dp)}"
         )
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device)
@@ -101,7 +98,12 @@ class Trainer:
             self.val_loader = build_dataloader(cfg.training, run.tokenizer, **loader_args, split="validation",
                                                dataset_path=cfg.validation.dataset_path or None)
         n_words = run.tokenizer.n_words
-        self.loss_fn = compile_loss(lambda logits, labels: cross_entropy_loss(logits, labels, n_words), cfg.compile)
+        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words)
+        # model + loss: one compiled graph under whole-model compile (the loss is looked up on
+        # self at each call, so it can be swapped, e.g. by tests).
+        self.forward_loss = compile_forward_loss(
+            self.model, lambda logits, labels: self.loss_fn(logits, labels), cfg.compile, fullgraph=run.whole_graph,
+        )
 
         self.step = 0
         self.compile_health: CompileHealth | None = None
@@ -129,9 +131,9 @@ class Trainer:
                 last = index == accum - 1
                 set_gradient_sync(self.model, reduce_scatter=last or not self.defer_reduce_scatter, all_reduce=last)
             with self._loss_context():
-                loss = self.loss_fn(self.model(inputs), labels) / accum
+                loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
-            loss_sum += _local(loss).detach()
+            loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -166,8 +168,8 @@ class Trainer:
         for _ in range(self.cfg.validation.steps):
             for inputs, labels in self.val_loader.next_step():
                 with self._loss_context():
-                    loss = self.loss_fn(self.model(inputs), labels)
-                total += _local(loss).detach()
+                    loss = self.forward_loss(inputs, labels)
+                total += loss.detach()
                 del loss  # free this batch's graph before the next forward
                 count += 1
         loss = self._dp_mean(total / count)
