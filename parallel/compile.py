@@ -109,7 +109,9 @@ def apply_compile(
     `reuse_blocks` (strategy "model"): each block is a nested compile region, so a deep model
     compiles its block once instead of once per layer. On torch 2.13 it fails as soon as the
     blocks hold DTensors (tensor parallel, or the graph data-parallel engine): pass it only
-    for a model of plain tensors.
+    for a model of plain tensors. It is ignored with backend "eager", which runs no
+    AOTAutograd: a nested region's backward then fails ("fake_mode should be enabled for
+    HOPs", torch 2.13), so there the blocks are traced inline.
     """
     if not compile_cfg.enable or "model" not in compile_cfg.components:
         return model
@@ -121,7 +123,7 @@ def apply_compile(
         for block in modules:
             block.compile(backend=compile_cfg.backend, fullgraph=True, dynamic=False)
         return model
-    if reuse_blocks:
+    if reuse_blocks and compile_cfg.backend != "eager":
         for block in modules:
             block.__class__ = _reused_class(type(block))
     if not _fuses_loss(compile_cfg):

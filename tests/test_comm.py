@@ -27,14 +27,15 @@ def test_flight_recorder_dumps_under_the_folder(tmp_path, clean_env):
     folder = tmp_path / "dump" / "comm_traces"
     configure_flight_recorder(2000, str(folder), "rank_")
     assert folder.is_dir()
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ  # deprecated: torch 2.13 warns on every rank
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(folder / "rank_")
 
 
 def test_flight_recorder_off(tmp_path, clean_env):
     configure_flight_recorder(0, str(tmp_path / "traces"), "rank_")
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
     assert not (tmp_path / "traces").exists()
 

@@ -26,18 +26,17 @@ STEPS = 3
 
 
 def _train(param_dtype, wrap):
-    from torch.distributed.device_mesh import init_device_mesh
-
     from models.llama3.args import flavor_args
     from models.llama3.model import Transformer
     from parallel.grad_clip import clip_grad_norm_
     from parallel.init import sharded_init_normal_
+    from parallel.mesh import ParallelDims
     from parallel.parameter_views import stored_parameters
 
     args = flavor_args("tinymodel", vocab_size=512, max_seq_len=32)
     with torch.device("meta"):
         model = Transformer(args)
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    mesh = ParallelDims(1, 1, 1).build_meshes("cpu")
     wrap(model, mesh, param_dtype)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -59,17 +58,17 @@ def _train(param_dtype, wrap):
     return losses, norms
 
 
-def _fsdp_one_rank(model, mesh, param_dtype):
+def _fsdp_one_rank(model, meshes, param_dtype):
     from parallel.fsdp import apply_fsdp
 
-    apply_fsdp(model, [model.tok_embeddings, *model.layers.values(), [model.norm, model.output]], mesh["dp"],
+    apply_fsdp(model, [model.tok_embeddings, *model.layers.values(), [model.norm, model.output]], meshes.data_parallel,
                param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def _no_wrapper(model, mesh, param_dtype):
+def _no_wrapper(model, meshes, param_dtype):
     from parallel.data_parallel import apply_data_parallel
 
-    apply_data_parallel(model, [], mesh["dp"], param_dtype=param_dtype, reduce_dtype=torch.float32)
+    apply_data_parallel(model, [], meshes, engine="fully_shard", param_dtype=param_dtype, reduce_dtype=torch.float32)
     assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
 
 
@@ -101,18 +100,18 @@ from parallel.mesh import ParallelDims
 from parallel.tensor_parallel import apply_tensor_parallel
 world, tp, rank = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-dims = ParallelDims.resolve(world, -1, tp)
-mesh = dims.build_mesh("cpu")
+dims = ParallelDims.resolve(world, 1, -1, tp)
+meshes = dims.build_meshes("cpu")
 spec = get_model_spec("llama3")
 args = spec.build_args("8B", vocab_size=128256, max_seq_len=8192)
 layouts = {}
 for engine in ("fully_shard", "graph"):
     with torch.device("meta"):
         model = spec.model_cls(args)
-    apply_tensor_parallel(model, mesh["tp"], spec.root_tp_plan(True, True))
+    apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(True, True))
     for block in spec.blocks(model).values():
-        apply_tensor_parallel(block, mesh["tp"], spec.block_tp_plan(True))
-    apply_data_parallel(model, spec.fsdp_units(model), mesh, engine=engine,
+        apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(True))
+    apply_data_parallel(model, spec.fsdp_units(model), meshes, engine=engine,
                         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layouts[engine] = {n: [str(p.device_mesh.mesh_dim_names), str(p.placements), list(p.shape), list(p.to_local().shape)]
                        for n, p in model.named_parameters()}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.dist_utils import ROOT
+from tests.dist_utils import ROOT, free_port
 from trainer.config import load_config
 from trainer.dump_lock import LOCK_NAME, DumpFolderLock
 from trainer.errors import DumpFolderInUse
@@ -117,8 +117,11 @@ def test_global_batch_minus_one_follows_the_checkpoint(tmp_path):
     assert (fresh.resume_step, fresh.global_batch_size, fresh.grad_accum_steps) == (None, 8, 1)
 
 
-def _train(dump, *overrides, check=True, **popen):
-    cmd = [sys.executable, "train.py", *TINY, "--metrics.log_freq", "1", "--job.dump_folder", str(dump),
+def _train(dump, *overrides, check=True, nproc=1, **popen):
+    launcher = ["train.py"] if nproc == 1 else [
+        "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}", "train.py"]
+    cmd = [sys.executable, *launcher, *TINY, "--metrics.log_freq", "1", "--job.dump_folder", str(dump),
            "--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.warmup_steps", "2", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if popen:
@@ -151,16 +154,18 @@ def test_second_run_is_refused_and_the_first_finishes_clean(tmp_path, corpus):
 def test_resumed_run_records_each_step_once(tmp_path, corpus):
     """A run whose last save did not land (killed after step 6's records, before its checkpoint)
     resumes from step 3 and writes steps 4.. again: metrics.jsonl, TensorBoard and the compile
-    events must hold each step once."""
+    events must hold each step once. The compile events are the graph breaks at FSDP2's hooks
+    under whole-model compile (2 ranks, the fully_shard engine), recorded by rank 0."""
     dump = tmp_path / "run"
-    compiled = ["--compile.enable", "--compile.backend", "eager", "--compile.strategy", "model"]
-    _train(dump, "--training.dataset_path", corpus, "--training.steps", "6", *compiled)
+    compiled = ["--compile.enable", "--compile.backend", "eager", "--compile.strategy", "model",
+                "--parallelism.data_parallel_engine", "fully_shard"]
+    _train(dump, "--training.dataset_path", corpus, "--training.steps", "6", *compiled, nproc=2)
     os.rename(dump / "checkpoint" / "step-6", dump / "checkpoint" / "step-6.tmp")  # as if killed mid-save
     first_events = [json.loads(line) for line in (dump / "compile_events.jsonl").read_text().splitlines()]
-    assert first_events and all(e["step"] == 1 for e in first_events)  # the graph breaks of FSDP2's hooks
+    assert first_events and all(e["step"] == 1 for e in first_events), first_events
     with open(dump / "compile_events.jsonl", "a") as f:  # as if the killed process recompiled at step 5
         f.write(json.dumps({**first_events[0], "kind": "recompile", "step": 5, "summary": "from the lost steps"}) + "\n")
-    _train(dump, "--training.dataset_path", corpus, "--training.steps", "8", *compiled)
+    _train(dump, "--training.dataset_path", corpus, "--training.steps", "8", *compiled, nproc=2)
     steps = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
     (event_dir,) = {os.path.dirname(p) for p in map(str, (dump / "tb").rglob("events.*"))}

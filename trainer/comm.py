@@ -27,11 +27,13 @@ from trainer.config import Comm
 
 logger = logging.getLogger(__name__)
 
-# The flight recorder reads these when the first NCCL communicator is created. torch 2.13 reads
-# the TORCH_FR_* names first and falls back to the TORCH_NCCL_* ones (checked in the 2.13 wheel:
-# distributed_c10d.py and the strings of libtorch_cpu.so); older releases know only the
-# TORCH_NCCL_* names, so both are set. gloo ignores them.
-_BUFFER_SIZE = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+# The flight recorder reads these when the first NCCL communicator is created. The buffer size
+# has been TORCH_FR_BUFFER_SIZE since torch 2.8, and 2.13 warns on every rank, gloo included,
+# when the old TORCH_NCCL_TRACE_BUFFER_SIZE is set, so only the new name is set. The dump file
+# is read only by NCCL; 2.13 takes TORCH_FR_DUMP_TEMP_FILE first (checked in the 2.13 wheel:
+# distributed_c10d.py and the strings of libtorch_cpu.so), and the old name stays set as well
+# in case a release before 2.13 reads only that one.
+_BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE",)
 _DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
 _DUMP_FILE = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
 

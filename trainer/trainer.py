@@ -185,6 +185,7 @@ class Trainer:
         elif run.initial_load_path:  # only without a checkpoint to resume: a resume always wins
             load_hf_weights(self.model, self.hf_adapter, run.initial_load_path, vocab_size=self.tokenizer.n_words)
         if self.rank == 0:
+            os.makedirs(run.paths.dump, exist_ok=True)
             with open(os.path.join(run.paths.dump, "config.toml"), "w") as f:
                 f.write(to_toml(cfg))
         if cfg.compile.enable:

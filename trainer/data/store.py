@@ -178,5 +178,15 @@ class TokenStore:
             cmax = int(chunk.max())
             lo = min(lo, int(chunk.min())) if start else int(chunk.min())
             if cmax > hi:
-                hi, where = cmax, start + int(chunk.argmax())
+                hi, where = cmax, start + _first_index_of(chunk, cmax)
         return lo, hi, where
+
+
+def _first_index_of(arr: np.ndarray, value: int, block: int = 1 << 20) -> int:
+    """Index of the first `value` in `arr`, read `block` items at a time: numpy's argmax
+    copies an unsigned-integer array whole (64 MiB per scan chunk, measured with numpy 2)."""
+    for start in range(0, len(arr), block):
+        hits = np.flatnonzero(arr[start : start + block] == value)
+        if len(hits):
+            return start + int(hits[0])
+    raise ValueError(f"{value} is not in the array")
