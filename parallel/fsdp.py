@@ -17,6 +17,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
 
 
+RESHARD_POLICIES = ("default", "always", "never")
+
+
 def apply_fsdp(
     model: nn.Module,
     units: Sequence[FSDPUnit],

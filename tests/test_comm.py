@@ -19,8 +19,11 @@ TINY = ["--model.flavor", "tinymodel", "--training.seq_len", "32"]
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """The recorder's variables unset during the test and again after it: configure_flight_recorder
+    writes os.environ itself, and a leftover would reach every later test's subprocesses."""
     for name in NAMES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # makes monkeypatch restore the original state at teardown
+        monkeypatch.delenv(name)
 
 
 def test_flight_recorder_dumps_under_the_folder(tmp_path, clean_env):

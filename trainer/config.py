@@ -21,6 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from parallel.activation_checkpoint import AC_MODES
+from parallel.compile import STRATEGIES
+from parallel.data_parallel import ENGINES
+from parallel.fsdp import RESHARD_POLICIES
 from trainer import torchtitan_compat
 from trainer.errors import ConfigError
 
@@ -198,6 +202,7 @@ class JobConfig:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The choices of keys that parallel/ implements are declared there, next to the code.
 CHOICES: dict[str, tuple[str, ...]] = {
     "job.log_level": ("debug", "info", "warning"),
     "optimizer.name": ("AdamW",),
@@ -206,11 +211,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.mixed_precision_param": ("auto", "float32", "bfloat16"),  # fp16 would need loss scaling
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "training.device": ("auto", "cuda", "cpu"),
-    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "parallelism.fsdp_reshard_after_forward": RESHARD_POLICIES,
     "parallelism.gradient_sync": ("step", "microbatch"),
-    "parallelism.data_parallel_engine": ("auto", "fully_shard", "graph"),
-    "compile.strategy": ("blocks", "model"),
-    "activation_checkpoint.mode": ("none", "full", "selective", "memory_budget"),
+    "parallelism.data_parallel_engine": ENGINES,
+    "compile.strategy": STRATEGIES,
+    "activation_checkpoint.mode": AC_MODES,
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "comm.mode": ("default", "fake_backend", "local_tensor"),  # local_tensor is refused (torchtitan's, not weft's)
