@@ -16,7 +16,9 @@ Assumptions, stated once (docs/planning.md has the reasoning and the measured er
   full-size buffer in the reduce dtype (FSDP2's reduce-scatter input). The last unit stays
   gathered from its forward into its backward (fsdp_reshard_after_forward = default).
 - A parameter not sharded over any data-parallel dim whose dtype differs from the compute
-  dtype is cast at use, and autograd keeps each cast copy until that layer's backward.
+  dtype is cast at use. Autograd keeps the cast copy until that layer's backward, except inside
+  an activation-checkpointed block (the cast is recomputed, eager or compiled) and for an
+  embedding table (a gather's backward reads only the indices).
 - Rank 0 is estimated: uneven shards round up on the first ranks, so it holds the most.
 """
 
@@ -38,7 +40,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.activation_checkpoint import is_checkpointed
 from parallel.loss import CHUNK_ELEMENTS
+from parallel.tensor_parallel import VocabParallelEmbedding
 
 TP_DIM = "tp"  # the mesh dim that is not data parallel (parallel/mesh.py)
 GIB = 1024**3
@@ -145,7 +149,7 @@ class UnitBytes:
     name: str
     gathered: int  # its parameters after the data-parallel all-gather, in the compute dtype
     reduce_buffer: int  # its full gradient in the reduce dtype: the reduce-scatter input
-    compute_copies: int  # cast-at-use copies of parameters that are not gathered (not dp-sharded)
+    compute_copies: int  # cast-at-use copies kept for backward, of parameters not gathered (not dp-sharded)
 
 
 def unit_bytes(
@@ -156,6 +160,7 @@ def unit_bytes(
 ) -> list[UnitBytes]:
     """Per unit, in forward order; parameters in no unit form a last "root" unit."""
     seen: set[int] = set()
+    copies_kept = _cast_copies_kept(model)
     out = []
     for index, unit in enumerate([*units, model]):
         modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
@@ -164,7 +169,7 @@ def unit_bytes(
         if not params and unit is model:
             continue
         gathered = [p for p in params if _is_dp_sharded(p)]
-        cast = [p for p in params if not _is_dp_sharded(p) and p.dtype != compute_dtype]
+        cast = [p for p in params if not _is_dp_sharded(p) and p.dtype != compute_dtype and id(p) in copies_kept]
         full = sum(local_numel(p) * _dp_shards(p) for p in gathered)
         out.append(UnitBytes(
             name="root" if unit is model else _unit_name(model, modules, index),
@@ -173,6 +178,29 @@ def unit_bytes(
             compute_copies=sum(local_numel(p) for p in cast) * compute_dtype.itemsize,
         ))
     return out
+
+
+def _cast_copies_kept(model: nn.Module) -> set[int]:
+    """ids of the parameters whose cast-at-use copy autograd keeps from forward to backward.
+
+    Not inside an activation-checkpointed module: the cast runs in the checkpointed forward, so
+    it is recomputed in backward (eager) or the partitioner recomputes it from the stored
+    parameter (compiled). Not an embedding table: its backward scatters by index and never
+    reads the weight. Measured on CPU, torch 2.13: a compiled block without checkpointing saves
+    the bf16 copies of its linear weights, a checkpointed one none (tests/test_memory_estimate.py).
+    """
+    kept: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if is_checkpointed(module):
+            return
+        if not isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
+            kept.update(id(p) for p in module._parameters.values() if p is not None)
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return kept
 
 
 def _unit_name(model: nn.Module, modules: list[nn.Module], index: int) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from models.llama3.args import ModelArgs
 from models.llama3.memory import check_block
+from models.llama3.model import TransformerBlock
 
 # Llama's shape at a small size: grouped-query attention with 128-wide heads, SwiGLU at 8/3 x dim.
 ARGS = ModelArgs(dim=384, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim_multiplier=1.0, multiple_of=256,
@@ -20,3 +21,15 @@ ARGS = ModelArgs(dim=384, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim_multiplie
 def test_eager_block_keeps_what_the_count_says(kind):
     measured, counted = check_block(ARGS, kind, 256)
     assert measured == counted
+
+
+@pytest.mark.parametrize("kind", ["none", "full", "op"])
+def test_cast_copies_kept_only_outside_checkpointing(kind):
+    """fp32 weights cast to bf16 at use (dp = 1): without checkpointing autograd keeps every
+    cast copy (the matmuls' and the norms' backward read the weights); a checkpointed block
+    recomputes the casts and keeps none, which the estimate counts as zero."""
+    measured, counted = check_block(ARGS, kind, 256, cast_at_use=True)
+    assert measured == counted
+    plain_measured, _ = check_block(ARGS, kind, 256)
+    weights = sum(p.numel() for p in TransformerBlock(0, ARGS).parameters()) * 2
+    assert measured - plain_measured == (weights if kind == "none" else 0)

@@ -40,7 +40,8 @@ from models.llama3.args import ModelArgs
 from models.llama3.model import TransformerBlock, rope_table
 from models.llama3.parallelize import block_tp_plan
 from parallel.activation_checkpoint import apply_activation_checkpointing
-from parallel.memory import ActivationBytes, ActivationInputs, retained_bytes, saved_tensor_bytes
+from parallel.data_parallel import apply_compute_dtype
+from parallel.memory import ActivationBytes, ActivationInputs, retained_bytes, saved_tensor_bytes, unit_bytes
 from parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -108,17 +109,22 @@ _AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selectiv
 
 
 def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = False, tp_mesh: DeviceMesh | None = None,
-                sequence_parallel: bool = False) -> tuple[int, int]:
+                sequence_parallel: bool = False, cast_at_use: bool = False) -> tuple[int, int]:
     """(measured, counted) bytes one real bfloat16 block of checkpointing `kind` keeps for
     backward on this rank, the block input (the caller's) left out of both: the check of the
     count above. Eager counts every storage the forward leaves alive, compiled what AOTAutograd
-    saves. Runs where it is called (CPU: composite rms_norm, so the count takes fused_norm=False)."""
+    saves. Runs where it is called (CPU: composite rms_norm, so the count takes fused_norm=False).
+    `cast_at_use`: fp32 parameters read as bf16 casts (the dp = 1 path), so the count adds the
+    cast copies parallel/memory.py says autograd keeps."""
     torch.manual_seed(0)
-    blocks = nn.ModuleDict({"0": TransformerBlock(0, args).to(torch.bfloat16)})
+    block = TransformerBlock(0, args)
+    blocks = nn.ModuleDict({"0": block if cast_at_use else block.to(torch.bfloat16)})
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp_mesh is not None:
         apply_tensor_parallel(blocks["0"], tp_mesh, block_tp_plan(sequence_parallel))
     apply_activation_checkpointing(blocks, *_AC_SETTINGS[kind])
+    if cast_at_use:
+        apply_compute_dtype(blocks, torch.bfloat16)
     block, rope = blocks["0"], rope_table(args)
     x = torch.randn(1, tokens, args.dim, dtype=torch.bfloat16)
     if sequence_parallel:  # the residual stream enters as this rank's sequence shard
@@ -136,4 +142,6 @@ def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = Fal
     counted = activation_bytes(args, inputs, [kind]).blocks
     if kind != "none":  # checkpointing keeps the block input: one residual-stream tensor
         counted -= 2 * args.dim * (tokens // tp if sequence_parallel else tokens)
+    if cast_at_use:
+        counted += unit_bytes([block], blocks, torch.bfloat16, torch.bfloat16)[0].compute_copies
     return measured, counted
