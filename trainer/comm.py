@@ -27,15 +27,15 @@ from trainer.config import Comm
 
 logger = logging.getLogger(__name__)
 
-# The flight recorder reads these when the first NCCL communicator is created. The buffer size
-# has been TORCH_FR_BUFFER_SIZE since torch 2.8, and 2.13 warns on every rank, gloo included,
-# when the old TORCH_NCCL_TRACE_BUFFER_SIZE is set, so only the new name is set. The dump file
-# is read only by NCCL; 2.13 takes TORCH_FR_DUMP_TEMP_FILE first (checked in the 2.13 wheel:
-# distributed_c10d.py and the strings of libtorch_cpu.so), and the old name stays set as well
-# in case a release before 2.13 reads only that one.
+# The flight recorder reads these when the first NCCL communicator is created. Only the
+# TORCH_FR_* names are set: the buffer size has been TORCH_FR_BUFFER_SIZE since torch 2.8 and
+# the dump file TORCH_FR_DUMP_TEMP_FILE, and the old TORCH_NCCL_TRACE_BUFFER_SIZE /
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE make torch warn on every rank (2.13 for the buffer size, gloo
+# included; 2.11 for the dump file). Checked on an H200 with torch 2.11: with only the new names
+# a collective timeout dumps to the folder (scripts/check_flight_recorder.py on one GPU).
 _BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE",)
 _DUMP_ON_TIMEOUT = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
-_DUMP_FILE = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE",)
 
 
 def _set_env(names: tuple[str, ...], value: str) -> None:
