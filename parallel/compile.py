@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from parallel.torch_internals import memoize_nested_region_schemas
+
 
 class Compile(Protocol):
     """The `[compile]` settings this module reads (trainer.config.Compile has them)."""
@@ -124,6 +126,7 @@ def apply_compile(
             block.compile(backend=compile_cfg.backend, fullgraph=True, dynamic=False)
         return model
     if reuse_blocks and compile_cfg.backend != "eager":
+        memoize_nested_region_schemas()
         for block in modules:
             block.__class__ = _reused_class(type(block))
     if not _fuses_loss(compile_cfg):

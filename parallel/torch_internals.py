@@ -1,4 +1,4 @@
-"""Every private or unstable torch API the graph data-parallel engine uses, in one place.
+"""Every private or unstable torch API the graph data-parallel engine and whole-model compile use.
 
 The engine itself (parallel/graph_data_parallel.py) is written against public APIs: DTensor
 `redistribute(forward_dtype=, backward_dtype=)`, `to_local(grad_placements=)`, `from_local`,
@@ -25,12 +25,16 @@ bucketing, no overlap scheduling) rather than failing the run.
 - `torch._inductor.config.aten_distributed_optimizations.enable_overlap_scheduling` (2.13):
   inductor's compute/communication overlap scheduler, GPU only. Its own size-based
   re-bucketing is turned off so the per-block buckets stay as they are. Not run here (no GPU).
+- `InvokeSubgraphHOP.gen_schema` (torch._higher_order_ops.invoke_subgraph; 2.11-2.13) and
+  `torch._guards.TracingContext.try_get`: memoized per compile for nested compile regions, see
+  `memoize_nested_region_schemas`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -172,4 +176,62 @@ def enable_overlap_scheduling(device_type: str) -> bool:
     for name in ("collective_bucketing", "pre_bucketing_fsdp_collectives"):
         if hasattr(options, name):
             setattr(options, name, False)
+    return True
+
+
+# ---- nested compile regions: one schema per region and call signature ----------------------
+
+
+def _operand_signature(operands: tuple) -> tuple:
+    """What a region's schema can depend on in its operands: each one's type and tensor
+    metadata, and which operands are the same object (aliasing changes mutation analysis)."""
+    first_index: dict[int, int] = {}
+    signature = []
+    for i, operand in enumerate(operands):
+        alias_of = first_index.setdefault(id(operand), i)
+        if isinstance(operand, torch.Tensor):
+            meta = (operand.dtype, tuple(operand.shape), operand.stride(), operand.requires_grad, operand.device.type)
+        else:
+            meta = repr(operand) if isinstance(operand, (int, float, bool, str)) else None
+        signature.append((type(operand), meta, alias_of))
+    return tuple(signature)
+
+
+def memoize_nested_region_schemas() -> bool:
+    """Generate a nested compile region's schema once per compile and call signature, not once
+    per call. Returns whether it was installed.
+
+    Why: on torch 2.11-2.13 the autograd dispatch of every `invoke_subgraph` call (one per
+    transformer block, in each AOTAutograd pass) regenerates the region's schema to check it
+    mutates no input, and generating it re-traces the block. With 28 blocks that was 17.5 s
+    of a 28-layer whole-model compile on CPU (torch 2.13; 56 schema generations) and most of
+    the 15 s AOTAutograd spends in its joint trace on the H200 (torch 2.11). Torch 2.13 caches
+    the schema on its functionalization path only (`InvokeSubgraphCache.functionalize_schema_cache`,
+    keyed by subgraph object, identifier and operand types); this applies the same idea to
+    every caller, keyed more strictly (operand dtypes, shapes, strides, requires_grad and
+    aliasing too), and scoped to one compile (the current `TracingContext`), so nothing is
+    reused across models or compiles. The subgraph is held by the cache, so its id stays valid.
+    """
+    try:
+        from torch._guards import TracingContext
+        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    except ImportError:
+        return False
+    original = InvokeSubgraphHOP.gen_schema
+    if getattr(original, "weft_memoized", False):
+        return True
+    per_compile: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        context = TracingContext.try_get()
+        if context is None or identifier is None:
+            return original(self, subgraph, identifier, *operands)
+        cache = per_compile.setdefault(context, {})
+        key = (id(subgraph), identifier, _operand_signature(operands))
+        if key not in cache:
+            cache[key] = (subgraph, original(self, subgraph, identifier, *operands))
+        return cache[key][1]
+
+    gen_schema.weft_memoized = True
+    InvokeSubgraphHOP.gen_schema = gen_schema
     return True

@@ -112,6 +112,41 @@ def test_compiled_matches_eager_and_keeps_names(strategy, components, reuse):
     assert all(isinstance(b, Block) and (type(b) is Block) != reuse for b in model.layers.values())
 
 
+def _schema_generations(n_blocks, monkeypatch):
+    """How many times a nested block region's schema is generated while compiling and training
+    one step of a model of `n_blocks` reused blocks (checked against eager on the way)."""
+    from torch._higher_order_ops.schema import HopSchemaGenerator
+
+    count = {"n": 0}
+    generate = HopSchemaGenerator.gen_schema
+
+    def counting(self):
+        count["n"] += 1
+        return generate(self)
+
+    monkeypatch.setattr(HopSchemaGenerator, "gen_schema", counting)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = TinyLM(n_blocks)
+    model = copy.deepcopy(ref)
+    cfg = _cfg(strategy="model")
+    apply_compile(model, model.layers, cfg, reuse_blocks=True)
+    loss_ref, grads_ref = _step(ref)
+    loss, grads = _step(model, forward_loss=compile_forward_loss(model, loss_fn, cfg))
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], rtol=0, atol=1e-6, msg=name)
+    return count["n"]
+
+
+def test_nested_region_schema_is_generated_once_per_compile_not_per_block(monkeypatch):
+    """parallel/torch_internals.memoize_nested_region_schemas: without it torch 2.13 generates
+    (and re-traces the block for) the region's schema on every call, two per block."""
+    shallow, deep = _schema_generations(2, monkeypatch), _schema_generations(6, monkeypatch)
+    assert shallow == deep
+    assert deep < 6
+
+
 def test_eager_backend_traces_blocks_inline():
     """Dynamo's eager backend runs no AOTAutograd, under which a nested compile region's
     backward fails on torch 2.13; the blocks are then traced inline and training works."""
