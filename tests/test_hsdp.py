@@ -4,7 +4,8 @@ gradient accumulation that reduces once per step.
 Tiny model, fp32, 5 steps, sequence parallel on where tp > 1; tolerance 1e-5 relative on every
 step's loss and gradient norm, as for the 2-D meshes (tests/test_parallel_parity.py). Three
 launches in all, since starting a process group of 4 or 8 costs 20-45 s on 2 cores: the
-1-process references, one 4-process launch, and one 8-process launch for 2x2x2.
+1-process references (the `references` fixture of tests/conftest.py, shared with
+tests/test_parallel_parity.py), one 4-process launch, and one 8-process launch for 2x2x2.
 The 4-process launch trains 2x2x1 (which writes the checkpoint of step 2) and both
 accumulation modes, then resumes that checkpoint on 1x4x1 and 4x1x1.
 """
@@ -25,10 +26,9 @@ def assert_close(reference, other, label, steps=range(1, 6)):
             assert rel < TOLERANCE, f"{label} step {step} {key}: {got[step][key]} vs {ref[step][key]} (rel {rel:.2e})"
 
 
-def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus):
+def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus, references):
     base = BASE + ["--training.dataset_path", corpus]
-    refs = launch(tmp_path, 1, base, [[], ["--training.global_batch_size", "16"]])
-    reference, reference16 = refs[""], refs["--training.global_batch_size 16"]
+    reference, reference16 = references[8], references[16]
 
     ckpt = tmp_path / "ckpt_2x2x1"
     hsdp = [*REPLICATE, "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", str(ckpt)]

@@ -72,12 +72,10 @@ def assert_close_runs(reference, other, label):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    tmp = tmp_path_factory.mktemp("ref")
-    runs = launch(tmp, 1, BASE + ["--training.dataset_path", corpus], [[]])
-    losses = [r["loss"] for r in runs[""]]
+def reference(references):
+    losses = [r["loss"] for r in references[8]]
     assert losses[-1] < losses[0]  # it trains
-    return runs[""]
+    return references[8]
 
 
 def test_world2_meshes(tmp_path, corpus, reference):
