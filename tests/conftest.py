@@ -27,3 +27,14 @@ def references(tmp_path_factory, corpus):
                   [[], ["--training.global_batch_size", "16"]])
     return {8: runs[""], 16: runs["--training.global_batch_size 16"]}
 
+
+@pytest.fixture(scope="session")
+def world2(tmp_path_factory, corpus):
+    """The 2-process parity jobs, trained in one launch because starting a process group costs
+    ~25 s on 2 cores: tests/test_parallel_parity.py's 2-rank meshes and
+    tests/test_compile_parity.py's whole-model compile on 2x1. {run args joined: metrics records}."""
+    from tests.test_compile_parity import WORLD2
+    from tests.test_parallel_parity import BASE, WORLD2_MESHES, launch
+
+    return launch(tmp_path_factory.mktemp("world2"), 2, BASE + ["--training.dataset_path", corpus],
+                  [*WORLD2_MESHES, *WORLD2.values()])

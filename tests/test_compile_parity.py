@@ -32,7 +32,8 @@ and loss (one forward and one backward graph), and no recompile after warm-up.
   across processes (a mesh input is hashed with its per-process thread id), so the check that
   the warm launch really loaded graphs from the cache is made on that run, whose small TP-hook
   graphs are such graphs; the graph engine's single graph takes mesh inputs and recompiles.
-- Launch 3, two processes: whole-model compile on 2x1 (dp only).
+- Whole-model compile on 2x1 (dp only) trains in a 2-process launch shared with the 2-rank
+  meshes of tests/test_parallel_parity.py (the `world2` fixture, tests/conftest.py).
 
 A training process runs one job after another, and compiled code must not outlive the process
 groups of an earlier job in the same process (tests/parity_driver.py resets Dynamo between).
@@ -94,7 +95,7 @@ def _check_whole_model_graphs(path):
     assert not gathered, f"gathered parameters saved for backward: {gathered}"
 
 
-def test_compile_ac_and_engines_match_eager(tmp_path, corpus, monkeypatch):
+def test_compile_ac_and_engines_match_eager(tmp_path, corpus, monkeypatch, world2):
     # blocks/sel_op and model/sel_op run through inductor (Dynamo + AOTAutograd + inductor), below.
     runs = {f"{s}/{a}": STRATEGIES[s] + AC_MODES[a] for s in STRATEGIES for a in AC_MODES
             if not (s != "none" and a == "sel_op")}
@@ -125,7 +126,7 @@ def test_compile_ac_and_engines_match_eager(tmp_path, corpus, monkeypatch):
         _check_whole_model_graphs(path)
 
     runs.update(inductor_runs)
-    results.update(launch(tmp_path, 2, base, list(WORLD2.values())))
+    results.update(world2)
     runs.update(WORLD2)
     reference = results[" ".join(runs["none/none"])]
     assert reference[-1]["loss"] < reference[0]["loss"]
