@@ -10,7 +10,6 @@ same checks, at 1.5 s a step for each of 9 four-process runs on 2 cores.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -57,13 +56,6 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
         "fully_shard_2x2": run(CUT, 2, "fully_shard_2x2", *FULLY_SHARD),
         "dp1_1x4": run(CUT, 4, "dp1_1x4"),
     }
-    results = launch(tmp_path, 4, base, [straight, *saved.values()])
-    reference = losses(results[" ".join(straight)])
-    straight_batches = results["batches " + " ".join(straight)]
-    assert len(straight_batches) == END and len(set(straight_batches.values())) == END
-    for folder in saved:
-        assert sorted(os.listdir(tmp_path / folder)) == [f"step-{CUT}"], folder
-
     resumes = {  # name -> (checkpoint it starts from, mesh tp degree, overrides)
         "2x2 graph, exact": ("graph_2x2", 2, COMPILED),
         "4x1 fully_shard from graph": ("graph_2x2", 1, FULLY_SHARD),
@@ -72,16 +64,21 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
         "2x2 from dp=1": ("dp1_1x4", 2, FULLY_SHARD),
         "1x1 dp=1 from graph": ("graph_2x2", 1, ()),
     }
-    runs = {}
-    for name, (source, tp, extra) in resumes.items():
-        folder = f"resume_{len(runs)}"
-        shutil.copytree(tmp_path / source, tmp_path / folder)
-        runs[name] = run(END, tp, folder, *extra)
+    # Each resume loads step CUT of the folder it starts from, and its own last save (step END)
+    # lands there too: so the 4-process resumes train in the launch that writes their checkpoints
+    # (a launch costs 20-40 s on 2 cores).
+    runs = {name: run(END, tp, source, *extra, "--checkpoint.load_step", str(CUT))
+            for name, (source, tp, extra) in resumes.items()}
     # -1: the global batch comes from the checkpoint (8), so one rank runs 4 micro-batches of 2.
     runs["1x1 dp=1 from graph"] += ["--training.global_batch_size", "-1"]
     single = "1x1 dp=1 from graph"
-    results = launch(tmp_path, 4, base, [r for name, r in runs.items() if name != single])
+    results = launch(tmp_path, 4, base, [straight, *saved.values(), *(r for name, r in runs.items() if name != single)])
     results.update(launch(tmp_path, 1, base, [runs[single]]))
+    reference = losses(results[" ".join(straight)])
+    straight_batches = results["batches " + " ".join(straight)]
+    assert len(straight_batches) == END and len(set(straight_batches.values())) == END
+    for folder in saved:  # the first half saved at CUT, the runs resumed from it at END
+        assert set(os.listdir(tmp_path / folder)) == {f"step-{CUT}", f"step-{END}"}, folder
 
     exact = losses(results[" ".join(runs["2x2 graph, exact"])])
     resumed = range(CUT + 1, END + 1)
