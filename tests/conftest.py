@@ -14,3 +14,27 @@ def corpus(tmp_path_factory):
     for name in ("abc.py", "bisect.py", "colorsys.py", "copy.py", "dataclasses.py", "fnmatch.py", "heapq.py"):
         shutil.copy(os.path.join(stdlib, name), folder / f"{name}.txt")
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory, corpus):
+    """The 1-process runs the multi-rank parity tests compare against, trained once for the suite:
+    {global batch size: metrics records} for tests/test_parallel_parity.py's BASE at 8 and 16
+    (tests/test_parallel_parity.py uses 8, tests/test_hsdp.py both)."""
+    from tests.test_parallel_parity import BASE, launch
+
+    runs = launch(tmp_path_factory.mktemp("ref"), 1, BASE + ["--training.dataset_path", corpus],
+                  [[], ["--training.global_batch_size", "16"]])
+    return {8: runs[""], 16: runs["--training.global_batch_size 16"]}
+
+
+@pytest.fixture(scope="session")
+def world2(tmp_path_factory, corpus):
+    """The 2-process parity jobs, trained in one launch because starting a process group costs
+    ~25 s on 2 cores: tests/test_parallel_parity.py's 2-rank meshes and
+    tests/test_compile_parity.py's whole-model compile on 2x1. {run args joined: metrics records}."""
+    from tests.test_compile_parity import WORLD2
+    from tests.test_parallel_parity import BASE, WORLD2_MESHES, launch
+
+    return launch(tmp_path_factory.mktemp("world2"), 2, BASE + ["--training.dataset_path", corpus],
+                  [*WORLD2_MESHES, *WORLD2.values()])

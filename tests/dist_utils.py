@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from typing import Callable
 
 import torch.distributed as dist
@@ -46,10 +44,3 @@ def split_driver_args(argv: list[str]) -> tuple[str, list[str], list[list[str]]]
             groups[-1].append(arg)
     return out_path, groups[0], groups[1:]
 
-
-def torchrun_train(nproc: int, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Launch train.py under torchrun on CPU with the given overrides."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "train.py", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)

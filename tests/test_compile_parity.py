@@ -7,19 +7,23 @@ fusion). Whole-model compile picks the graph data-parallel engine ("auto"), so e
 run must also be one graph: no graph break or eagerly run frame, one Dynamo graph for model
 and loss (one forward and one backward graph), and no recompile after warm-up.
 
-- Launch 1, `aot_eager` (Dynamo capture + AOTAutograd, which is where graph breaks,
-  SAC-under-compile and DTensor tracing go wrong): the 3 strategies x 4 AC modes matrix, less
-  the two selective-op compiled cells, which launch 2 runs through inductor (a superset);
-  the graph engine forced under per-block compile and run eagerly; whole-model compile on 1x4
-  (dp = 1: no data-parallel wrapper at all).
-- Launch 2, inductor, fresh cache: the two configurations users run most, selective-op AC
-  with per-block and with whole-model compile; whole-model compile over `fully_shard`'s hooks
-  (many small graphs, the configuration that crashed on a warm cache); the memory-budget mode
-  with per-block compile (only inductor's partitioner applies a budget). The whole-model
-  graphs are inspected (tests/graph_inspection.py): one parameter all-gather per unit
-  (embedding, each block, norm + head) in forward, one re-gather and one reduce-scatter per
-  unit in backward, and no forward output saved for backward is a gathered parameter.
-- Launch 3 repeats launch 2 (all but the memory-budget run) against the same
+- Launch 1, the cold one (a fresh TORCHINDUCTOR_CACHE_DIR), runs two sets of jobs in turn:
+  - inductor: the two configurations users run most, selective-op AC with per-block and with
+    whole-model compile; whole-model compile over `fully_shard`'s hooks (many small graphs, the
+    configuration that crashed on a warm cache); the memory-budget mode with per-block compile
+    (only inductor's partitioner applies a budget). The whole-model graphs are inspected
+    (tests/graph_inspection.py): one parameter all-gather per unit (embedding, each block,
+    norm + head) in forward, one re-gather and one reduce-scatter per unit in backward, and no
+    forward output saved for backward is a gathered parameter.
+  - `aot_eager` (Dynamo capture + AOTAutograd, which is where graph breaks, SAC-under-compile
+    and DTensor tracing go wrong): the 3 strategies x 4 AC modes matrix, less the two
+    selective-op compiled cells, which run through inductor above (a superset); the graph
+    engine forced under per-block compile and run eagerly; whole-model compile on 1x4 (dp = 1:
+    no data-parallel wrapper at all).
+  The two sets share a launch because starting 4 processes costs 20-40 s on 2 cores. The
+  inductor jobs come first, in the order launch 2 repeats them: the cache keys name the process
+  groups, whose names count the groups created before in the process.
+- Launch 2 repeats the inductor jobs (all but the memory-budget run) against the same
   TORCHINDUCTOR_CACHE_DIR, as a user's second run on a machine does, and must train to the
   same losses. Before the cache key named the
   process groups (parallel/compile.py), whole-model compile over fully_shard died there with
@@ -28,7 +32,8 @@ and loss (one forward and one backward graph), and no recompile after warm-up.
   across processes (a mesh input is hashed with its per-process thread id), so the check that
   the warm launch really loaded graphs from the cache is made on that run, whose small TP-hook
   graphs are such graphs; the graph engine's single graph takes mesh inputs and recompiles.
-- Launch 4, two processes: whole-model compile on 2x1 (dp only).
+- Whole-model compile on 2x1 (dp only) trains in a 2-process launch shared with the 2-rank
+  meshes of tests/test_parallel_parity.py (the `world2` fixture, tests/conftest.py).
 
 A training process runs one job after another, and compiled code must not outlive the process
 groups of an earlier job in the same process (tests/parity_driver.py resets Dynamo between).
@@ -90,40 +95,38 @@ def _check_whole_model_graphs(path):
     assert not gathered, f"gathered parameters saved for backward: {gathered}"
 
 
-def test_compile_ac_and_engines_match_eager(tmp_path, corpus, monkeypatch):
-    # blocks/sel_op and model/sel_op run through inductor below (Dynamo + AOTAutograd + inductor).
+def test_compile_ac_and_engines_match_eager(tmp_path, corpus, monkeypatch, world2):
+    # blocks/sel_op and model/sel_op run through inductor (Dynamo + AOTAutograd + inductor), below.
     runs = {f"{s}/{a}": STRATEGIES[s] + AC_MODES[a] for s in STRATEGIES for a in AC_MODES
             if not (s != "none" and a == "sel_op")}
     runs.update(MORE_AOT)
-    base = BASE + ["--training.dataset_path", corpus, "--parallelism.tensor_parallel_degree", "2"]
-    results = launch(tmp_path, 4, base, list(runs.values()))
-
     inductor_runs = {f"{s}/sel_op": INDUCTOR[s] + AC_MODES["sel_op"] for s in INDUCTOR}
     # The memory budget is applied by inductor's min-cut partitioner only (aot_eager keeps
     # everything), on graphs holding TP collectives and loss-parallel DTensor code.
     inductor_runs["blocks_inductor/memory_budget"] = INDUCTOR["blocks_inductor"] + [
         "--activation_checkpoint.mode", "memory_budget", "--activation_checkpoint.memory_budget", "0.3"]
+    base = BASE + ["--training.dataset_path", corpus, "--parallelism.tensor_parallel_degree", "2"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     monkeypatch.setenv("WEFT_RECORD_GRAPHS", "1")  # in both launches, so the cache keys agree
-    cold, cold_cache = launch(tmp_path, 4, base, list(inductor_runs.values()), cache_stats=True)
+    results, cold_cache = launch(tmp_path, 4, base, [*inductor_runs.values(), *runs.values()], cache_stats=True)
     warm_runs = {name: run for name, run in inductor_runs.items() if not name.endswith("memory_budget")}
     warm, warm_cache = launch(tmp_path, 4, base, list(warm_runs.values()), cache_stats=True)
     for name, overrides in inductor_runs.items():
         key = " ".join(overrides)
         assert cold_cache[key].get("autograd_cache_saved", 0) > 0, (name, cold_cache[key])
         if name in warm_runs:
-            assert [r["loss"] for r in warm[key]] == [r["loss"] for r in cold[key]], f"{name}: warm-cache losses differ"
+            warm_losses, cold_losses = [r["loss"] for r in warm[key]], [r["loss"] for r in results[key]]
+            assert warm_losses == cold_losses, f"{name}: warm-cache losses differ"
     hooks = " ".join(inductor_runs["fully_shard_model_inductor/sel_op"])
     assert warm_cache[hooks].get("autograd_cache_hit", 0) > 0, warm_cache[hooks]
     whole = list(inductor_runs).index("model_inductor/sel_op")
     recorded = sorted(tmp_path.glob(f"world4-*.json.run{whole}/compiled_graphs.json"))
-    assert recorded, "the whole-model inductor run recorded no graph"
+    assert len(recorded) == 2, f"the whole-model inductor runs recorded {len(recorded)} graph files, not 2"
     for path in recorded:  # the cold launch's, and the warm one's (a graph with mesh inputs recompiles)
         _check_whole_model_graphs(path)
 
-    results.update(cold)
     runs.update(inductor_runs)
-    results.update(launch(tmp_path, 2, base, list(WORLD2.values())))
+    results.update(world2)
     runs.update(WORLD2)
     reference = results[" ".join(runs["none/none"])]
     assert reference[-1]["loss"] < reference[0]["loss"]

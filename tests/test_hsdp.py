@@ -2,13 +2,13 @@
 gradient accumulation that reduces once per step.
 
 Tiny model, fp32, 5 steps, sequence parallel on where tp > 1; tolerance 1e-5 relative on every
-step's loss and gradient norm, as for the 2-D meshes (tests/test_parallel_parity.py). Four
-launches in all: the 1-process references, one 4-process launch for 2x2x1 (which also writes
-the checkpoint that is resumed) and both accumulation modes, one for the resumes on 1x4x1 and
-4x1x1, one 8-process launch for 2x2x2.
+step's loss and gradient norm, as for the 2-D meshes (tests/test_parallel_parity.py). Three
+launches in all, since starting a process group of 4 or 8 costs 20-45 s on 2 cores: the
+1-process references (the `references` fixture of tests/conftest.py, shared with
+tests/test_parallel_parity.py), one 4-process launch, and one 8-process launch for 2x2x2.
+The 4-process launch trains 2x2x1 (which writes the checkpoint of step 2) and both
+accumulation modes, then resumes that checkpoint on 1x4x1 and 4x1x1.
 """
-
-import shutil
 
 from tests.test_parallel_parity import BASE, TOLERANCE, launch
 
@@ -26,10 +26,9 @@ def assert_close(reference, other, label, steps=range(1, 6)):
             assert rel < TOLERANCE, f"{label} step {step} {key}: {got[step][key]} vs {ref[step][key]} (rel {rel:.2e})"
 
 
-def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus):
+def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus, references):
     base = BASE + ["--training.dataset_path", corpus]
-    refs = launch(tmp_path, 1, base, [[], ["--training.global_batch_size", "16"]])
-    reference, reference16 = refs[""], refs["--training.global_batch_size 16"]
+    reference, reference16 = references[8], references[16]
 
     ckpt = tmp_path / "ckpt_2x2x1"
     hsdp = [*REPLICATE, "2", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", str(ckpt)]
@@ -37,7 +36,12 @@ def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus):
     acc_micro = [*REPLICATE, "2", *ACCUM, "--parallelism.gradient_sync", "microbatch", "--count-comms"]
     one_micro = [*REPLICATE, "2", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
                  "--training.steps", "1", "--count-comms"]
-    results = launch(tmp_path, 4, base, [hsdp, acc_step, acc_micro, one_micro])
+    # Resume the 2x2x1 checkpoint of step 2 on 1x4x1 and 4x1x1, after the run that writes it (their
+    # last-step saves land in the same folder, which does not touch step-2).
+    resumed = {name: [*REPLICATE, replicate, "--checkpoint.enable", "--checkpoint.folder", str(ckpt),
+                      "--checkpoint.load_step", "2"]
+               for name, replicate in (("1x4x1", "1"), ("4x1x1", "4"))}
+    results = launch(tmp_path, 4, base, [hsdp, acc_step, acc_micro, one_micro, *resumed.values()])
     assert_close(reference, results[" ".join(hsdp)], "2x2x1")
     assert_close(reference16, results[" ".join(acc_step)], "2x2x1, 4 micro-batches, gradient_sync=step")
     assert_close(reference16, results[" ".join(acc_micro)], "2x2x1, 4 micro-batches, gradient_sync=microbatch")
@@ -53,14 +57,6 @@ def test_hsdp_parity_resume_and_accumulation(tmp_path, corpus):
     for counts in results[" ".join(acc_micro) + "#comms"]:
         assert (counts["c10d._reduce_scatter_base_"], counts["c10d.allreduce_"]) == (4 * units, units), counts
 
-    # Resume the 2x2x1 checkpoint of step 2 on 1x4x1 and 4x1x1.
-    resumed = {}
-    for name, replicate in (("1x4x1", "1"), ("4x1x1", "4")):
-        folder = tmp_path / f"resume_{name}"
-        folder.mkdir()
-        shutil.copytree(ckpt / "step-2", folder / "step-2")
-        resumed[name] = [*REPLICATE, replicate, "--checkpoint.enable", "--checkpoint.folder", str(folder)]
-    results = launch(tmp_path, 4, base, list(resumed.values()))
     for name, run in resumed.items():
         assert_close(reference, results[" ".join(run)], f"resumed on {name}", steps=range(3, 6))
 

@@ -39,6 +39,10 @@ TP_VARIANTS = [
     ["--parallelism.enable_sequence_parallel", "false", "--parallelism.enable_loss_parallel", "false"],
 ]
 
+# Trained in a 2-process launch shared with tests/test_compile_parity.py (the `world2` fixture, tests/conftest.py).
+WORLD2_MESHES = [["--parallelism.tensor_parallel_degree", "1"]]
+WORLD2_MESHES += [["--parallelism.tensor_parallel_degree", "2", *v] for v in TP_VARIANTS]
+
 
 def launch(tmp_path, nproc, base, runs, *, cache_stats=False):
     """Train `runs` in one torchrun launch; returns {run: metrics records} (and, with
@@ -72,20 +76,15 @@ def assert_close_runs(reference, other, label):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    tmp = tmp_path_factory.mktemp("ref")
-    runs = launch(tmp, 1, BASE + ["--training.dataset_path", corpus], [[]])
-    losses = [r["loss"] for r in runs[""]]
+def reference(references):
+    losses = [r["loss"] for r in references[8]]
     assert losses[-1] < losses[0]  # it trains
-    return runs[""]
+    return references[8]
 
 
-def test_world2_meshes(tmp_path, corpus, reference):
-    runs = [["--parallelism.tensor_parallel_degree", "1"]]
-    runs += [["--parallelism.tensor_parallel_degree", "2", *v] for v in TP_VARIANTS]
-    results = launch(tmp_path, 2, BASE + ["--training.dataset_path", corpus], runs)
-    for run in runs:
-        assert_close_runs(reference, results[" ".join(run)], f"world 2 {' '.join(run)}")
+def test_world2_meshes(world2, reference):
+    for run in WORLD2_MESHES:
+        assert_close_runs(reference, world2[" ".join(run)], f"world 2 {' '.join(run)}")
 
 
 def test_world4_meshes(tmp_path, corpus, reference):

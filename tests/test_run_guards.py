@@ -1,5 +1,6 @@
 """Guards around a run: one line and exit 2 for every mistake, the dump-folder lock, records
-that show each step once after a resume, and a global batch that follows the checkpoint.
+that show each step once after a resume, what the console shows of saves and the resume, and a
+global batch that follows the checkpoint.
 
 The one-line checks run `trainer.main.main` in process with WEFT_CHECK_CONFIG_ONLY=1, which
 stops after everything that needs no process group (config, model, mesh, folders, the lock)
@@ -8,6 +9,7 @@ has been checked: the same path `run_train.sh` takes before launching.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,21 +153,30 @@ def test_second_run_is_refused_and_the_first_finishes_clean(tmp_path, corpus):
     assert not (dump / LOCK_NAME).exists()
 
 
-def test_resumed_run_records_each_step_once(tmp_path, corpus):
-    """A run whose last save did not land (killed after step 6's records, before its checkpoint)
-    resumes from step 3 and writes steps 4.. again: metrics.jsonl, TensorBoard and the compile
-    events must hold each step once. The compile events are the graph breaks at FSDP2's hooks
-    under whole-model compile (2 ranks, the fully_shard engine), recorded by rank 0."""
-    dump = tmp_path / "run"
+@pytest.fixture(scope="module")
+def resumed_two_rank_run(tmp_path_factory, corpus):
+    """A 2-rank `train.py` run of 6 steps whose last save did not land (killed after step 6's
+    records, before its checkpoint), then the run resumed to step 8 from step 3: (dump folder,
+    first and second launch, the first launch's compile events). Shared by the tests below, as
+    each launch costs ~25 s on 2 cores. The compile events are the graph breaks at FSDP2's hooks
+    under whole-model compile (the fully_shard engine), recorded by rank 0."""
+    dump = tmp_path_factory.mktemp("resumed") / "run"
     compiled = ["--compile.enable", "--compile.backend", "eager", "--compile.strategy", "model",
                 "--parallelism.data_parallel_engine", "fully_shard"]
-    _train(dump, "--training.dataset_path", corpus, "--training.steps", "6", *compiled, nproc=2)
+    first = _train(dump, "--training.dataset_path", corpus, "--training.steps", "6", *compiled, nproc=2)
     os.rename(dump / "checkpoint" / "step-6", dump / "checkpoint" / "step-6.tmp")  # as if killed mid-save
     first_events = [json.loads(line) for line in (dump / "compile_events.jsonl").read_text().splitlines()]
-    assert first_events and all(e["step"] == 1 for e in first_events), first_events
     with open(dump / "compile_events.jsonl", "a") as f:  # as if the killed process recompiled at step 5
         f.write(json.dumps({**first_events[0], "kind": "recompile", "step": 5, "summary": "from the lost steps"}) + "\n")
-    _train(dump, "--training.dataset_path", corpus, "--training.steps", "8", *compiled, nproc=2)
+    second = _train(dump, "--training.dataset_path", corpus, "--training.steps", "8", *compiled, nproc=2)
+    return dump, first, second, first_events
+
+
+def test_resumed_run_records_each_step_once(resumed_two_rank_run):
+    """The resumed run writes steps 4.. again: metrics.jsonl, TensorBoard and the compile events
+    must hold each step once."""
+    dump, _, _, first_events = resumed_two_rank_run
+    assert first_events and all(e["step"] == 1 for e in first_events), first_events
     steps = [json.loads(line)["step"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
     (event_dir,) = {os.path.dirname(p) for p in map(str, (dump / "tb").rglob("events.*"))}
@@ -176,6 +187,19 @@ def test_resumed_run_records_each_step_once(tmp_path, corpus):
     assert [e["step"] for e in events] == [1] * len(first_events) + [4] * len(first_events)
     report = (dump / "compile_report.txt").read_text()
     assert "resumed the run at step 3" in report and "from the lost steps" not in report
+
+
+def test_saves_and_resume_are_logged_once_by_rank_0(resumed_two_rank_run):
+    """What a user sees in the console of a 2-rank run: checkpoint saves and the resume, once each,
+    from rank 0, with timestamps; the other rank stays quiet below WARNING."""
+    _, first, second, _ = resumed_two_rank_run
+    saved = [line for line in first.stdout.splitlines() if "checkpoint step 3 saved" in line]
+    assert len(saved) == 1 and re.match(r"\[weft\] \d\d:\d\d:\d\d checkpoint step 3 saved to ", saved[0]), first.stdout
+    console = second.stdout + second.stderr
+    resumed = [line for line in console.splitlines() if "resumed from checkpoint step 3" in line]
+    assert len(resumed) == 1 and resumed[0].startswith("[weft] "), console
+    assert len([line for line in console.splitlines() if "checkpoint step 8 saved" in line]) == 1
+    assert "[weft rank1]" not in first.stdout + first.stderr + console  # rank 1 logs warnings only, and there were none
 
 
 def test_sigkill_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path, corpus):

@@ -1,14 +1,15 @@
 """Checkpointing through the real trainer: exact resume, resharding, preemption, NaN stop, export.
 
 All runs use the tiny model in fp32 on CPU/gloo with a constant LR after a 2-step warm-up, so
-a run cut at step 10 and resumed to 20 follows the same schedule as an uninterrupted 20-step run.
+a run cut at step 4 and resumed to 8 follows the same schedule as an uninterrupted 8-step run.
 Resumed runs on dp 1, 2 and 4 must also train on exactly the global batches of the straight
-run (hashes recorded by tests/parity_driver.py).
+run (hashes recorded by tests/parity_driver.py). The cut comes after the warm-up, with Adam's
+moments and the data position past their first steps; more steps would only repeat the
+same checks, at 1.5 s a step for each of 9 four-process runs on 2 cores.
 """
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +20,10 @@ import pytest
 from tests.dist_utils import ROOT, run_distributed
 from tests.test_parallel_parity import BASE, launch
 
+CUT, END = 4, 8  # save at CUT, resume to END
 RESUME = BASE + [
     "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "constant",
-    "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval", "10",
+    "--training.deterministic", "--checkpoint.enable", "--checkpoint.interval", str(CUT),
 ]
 GRAPH = ["--parallelism.data_parallel_engine", "graph"]
 FULLY_SHARD = ["--parallelism.data_parallel_engine", "fully_shard"]
@@ -33,7 +35,7 @@ def losses(records):
 
 
 def test_exact_resume_and_reshard(tmp_path, corpus):
-    """Saved at step 10, resumed to 20, against an uninterrupted 20-step run (whole-model compile,
+    """Saved at step 4, resumed to 8, against an uninterrupted 8-step run (whole-model compile,
     graph engine, 2x2): bitwise equal on the same mesh and engine, within 1e-5 relative after
     resharding to another mesh, engine or the dp = 1 path.
 
@@ -48,19 +50,12 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
         return ["--training.steps", str(steps), "--parallelism.tensor_parallel_degree", str(tp), *extra,
                 "--checkpoint.folder", str(tmp_path / folder)]
 
-    straight = run(20, 2, "ckpt_straight", *COMPILED)
+    straight = run(END, 2, "ckpt_straight", *COMPILED)
     saved = {  # folder the first half saves into -> how it is trained
-        "graph_2x2": run(10, 2, "graph_2x2", *COMPILED),
-        "fully_shard_2x2": run(10, 2, "fully_shard_2x2", *FULLY_SHARD),
-        "dp1_1x4": run(10, 4, "dp1_1x4"),
+        "graph_2x2": run(CUT, 2, "graph_2x2", *COMPILED),
+        "fully_shard_2x2": run(CUT, 2, "fully_shard_2x2", *FULLY_SHARD),
+        "dp1_1x4": run(CUT, 4, "dp1_1x4"),
     }
-    results = launch(tmp_path, 4, base, [straight, *saved.values()])
-    reference = losses(results[" ".join(straight)])
-    straight_batches = results["batches " + " ".join(straight)]
-    assert len(straight_batches) == 20 and len(set(straight_batches.values())) == 20
-    for folder in saved:
-        assert sorted(os.listdir(tmp_path / folder)) == ["step-10"], folder
-
     resumes = {  # name -> (checkpoint it starts from, mesh tp degree, overrides)
         "2x2 graph, exact": ("graph_2x2", 2, COMPILED),
         "4x1 fully_shard from graph": ("graph_2x2", 1, FULLY_SHARD),
@@ -69,26 +64,32 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
         "2x2 from dp=1": ("dp1_1x4", 2, FULLY_SHARD),
         "1x1 dp=1 from graph": ("graph_2x2", 1, ()),
     }
-    runs = {}
-    for name, (source, tp, extra) in resumes.items():
-        folder = f"resume_{len(runs)}"
-        shutil.copytree(tmp_path / source, tmp_path / folder)
-        runs[name] = run(20, tp, folder, *extra)
+    # Each resume loads step CUT of the folder it starts from, and its own last save (step END)
+    # lands there too: so the 4-process resumes train in the launch that writes their checkpoints
+    # (a launch costs 20-40 s on 2 cores).
+    runs = {name: run(END, tp, source, *extra, "--checkpoint.load_step", str(CUT))
+            for name, (source, tp, extra) in resumes.items()}
     # -1: the global batch comes from the checkpoint (8), so one rank runs 4 micro-batches of 2.
     runs["1x1 dp=1 from graph"] += ["--training.global_batch_size", "-1"]
     single = "1x1 dp=1 from graph"
-    results = launch(tmp_path, 4, base, [r for name, r in runs.items() if name != single])
+    results = launch(tmp_path, 4, base, [straight, *saved.values(), *(r for name, r in runs.items() if name != single)])
     results.update(launch(tmp_path, 1, base, [runs[single]]))
+    reference = losses(results[" ".join(straight)])
+    straight_batches = results["batches " + " ".join(straight)]
+    assert len(straight_batches) == END and len(set(straight_batches.values())) == END
+    for folder in saved:  # the first half saved at CUT, the runs resumed from it at END
+        assert set(os.listdir(tmp_path / folder)) == {f"step-{CUT}", f"step-{END}"}, folder
 
     exact = losses(results[" ".join(runs["2x2 graph, exact"])])
-    assert sorted(exact) == list(range(11, 21)), "the resumed run starts at step 11"
-    assert [exact[s] for s in range(11, 21)] == [reference[s] for s in range(11, 21)], "bitwise-equal losses"
+    resumed = range(CUT + 1, END + 1)
+    assert sorted(exact) == list(resumed), f"the resumed run starts at step {CUT + 1}"
+    assert [exact[s] for s in resumed] == [reference[s] for s in resumed], "bitwise-equal losses"
     for name, overrides in runs.items():
         # dp 2, 4, 1: the same global samples from the memory-mapped store after any reshard
         resumed_batches = results["batches " + " ".join(overrides)]
-        assert resumed_batches == {str(s): straight_batches[str(s)] for s in range(11, 21)}, name
+        assert resumed_batches == {str(s): straight_batches[str(s)] for s in resumed}, name
         got = losses(results[" ".join(overrides)])
-        for step in range(11, 21):
+        for step in resumed:
             rel = abs(got[step] - reference[step]) / reference[step]
             assert rel < 1e-5, f"{name} step {step}: {got[step]} vs {reference[step]}"
 
