@@ -20,9 +20,7 @@ import json
 import math
 import os
 
-import datasets
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from trainer.config import ConfigError, Training
 from trainer.data.documents import (
@@ -174,6 +172,11 @@ def _keep(example: dict, validation: bool) -> bool:
 
 def _streamed(key: str, source: str, tokenizer: Tokenizer, t: Training, split: str, held_out: bool,
               dp_rank: int, dp_degree: int) -> StreamWindows:
+    # Imported here: `datasets` (with pandas and pyarrow) takes over a second to import, and only
+    # streaming runs need it; every other process, test and dry run would pay for it.
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
     if is_hub_name(source):
         try:
             docs = datasets.load_dataset(source, split="train", streaming=True)

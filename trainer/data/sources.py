@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from trainer.config import ConfigError
 from trainer.data.order import window_order
+
+if TYPE_CHECKING:  # imported where streaming runs (trainer/data/build.py): it is slow to import
+    import datasets
 from trainer.data.store import TokenStore
 from trainer.tokenizer import Tokenizer
 
