@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tests.dist_utils import split_driver_args  # noqa: E402
+from tests.dist_utils import exit_without_finalizing, split_driver_args  # noqa: E402
 from tests.graph_inspection import record_compiled_graphs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
@@ -125,6 +125,7 @@ def main() -> None:
         with open(f"{out_path}.cache.json", "w") as f:
             json.dump(cache_stats, f)
     dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":

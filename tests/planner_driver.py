@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from models.llama3.args import ModelArgs  # noqa: E402
 from models.llama3.memory import check_block  # noqa: E402
-from tests.dist_utils import split_driver_args  # noqa: E402
+from tests.dist_utils import exit_without_finalizing, split_driver_args  # noqa: E402
 from trainer.comm import init_process_group, set_timeout  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run import resolve_run  # noqa: E402
@@ -118,6 +118,7 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":

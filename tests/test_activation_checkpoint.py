@@ -2,19 +2,17 @@
 state-dict names, torch.compile, and composition with FSDP2 (2 ranks, gloo)."""
 
 import copy
-import os
-import socket
 import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, op_level_policy
+from tests.dist_utils import run_distributed
 
 DIM, HEADS, HIDDEN, SEQ = 16, 2, 24, 8
 aten = torch.ops.aten
@@ -230,32 +228,24 @@ def test_applying_twice_raises():
         apply_activation_checkpointing(model.layers, "selective", "op")
 
 
-def _fsdp_worker(rank, world_size, port):
+def _fsdp_checks(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        ref, x = _make(n_blocks=2)
-        model = copy.deepcopy(ref)
-        apply_activation_checkpointing(model.layers, "selective", "op")
-        for block in model.layers:
-            block.compile(backend="aot_eager", fullgraph=True)
-            fully_shard(block)
-        fully_shard(model)
-        _, _, grads_ref = _run(ref, x)  # full batch on one rank
-        local = x.detach().chunk(world_size)[rank]
-        out = model(local.requires_grad_())
-        (out.square().sum() * world_size).backward()  # FSDP averages over ranks
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
-        assert list(model.state_dict()) == list(ref.state_dict())
-    finally:
-        torch.distributed.destroy_process_group()
+    ref, x = _make(n_blocks=2)
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(model.layers, "selective", "op")
+    for block in model.layers:
+        block.compile(backend="aot_eager", fullgraph=True)
+        fully_shard(block)
+    fully_shard(model)
+    _, _, grads_ref = _run(ref, x)  # full batch on one rank
+    local = x.detach().chunk(world_size)[rank]
+    out = model(local.requires_grad_())
+    (out.square().sum() * world_size).backward()  # FSDP averages over ranks
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert list(model.state_dict()) == list(ref.state_dict())
 
 
 def test_composes_with_compile_then_fsdp2():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(2, port), nprocs=2)
+    run_distributed(_fsdp_checks, 2)

@@ -25,6 +25,7 @@ from torch import nn
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from tests.dist_utils import exit_without_finalizing  # noqa: E402
 from trainer.checkpoint import HOLD_ENV, CheckpointError, CheckpointManager, complete_steps  # noqa: E402
 from trainer.config import Checkpoint, ConfigError  # noqa: E402
 from trainer.preemption import PreemptionHandler  # noqa: E402
@@ -421,6 +422,7 @@ def _reshard_worker(rank: int, world: int, tmp: str) -> None:
     assert handler.should_stop(4)  # every rank agrees, not only rank 1
     handler.close()
     dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 def _spawn(fn, nprocs: int, args: tuple, timeout: float) -> None:
