@@ -70,8 +70,24 @@ def _cast_to_local(dtype: torch.dtype):
     return view
 
 
+def _cast_output(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(dtype)
+
+    return hook
+
+
 def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> None:
     """dp = 1: every parameter is read as a cast to `param_dtype`; no data-parallel wrapper.
+
+    An `nn.Embedding` (a table not sharded by tensor parallel) instead looks its rows up in
+    fp32 and casts what it returns, as autocast does: the forward is the same bits (a cast
+    commutes with a row gather), and backward scatters the gradient straight into the fp32
+    table gradient. Cast first, the table would exist twice more in `param_dtype`, once in
+    forward and once as its gradient at the very end of backward, where every other gradient
+    is already alive: that is the step's peak whenever activations are small (8B with full AC
+    on one H200, torch 2.11: max active 120.7 -> 120.0 GiB, reserved 122.7 -> 121.8 GiB).
+    Rows that share a token now sum in fp32, not bf16.
 
     With tensor parallel (`tp_mesh`), a parameter TP left a plain tensor (a norm weight without
     sequence parallel) is stored as a tp-replicated DTensor and read as its local tensor, as
@@ -80,6 +96,9 @@ def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: Dev
     """
     cast, cast_local = _cast_to(param_dtype), _cast_to_local(param_dtype)
     for module in modules_with_parameters(model):
+        if tp_mesh is None and isinstance(module, nn.Embedding):
+            module.register_forward_hook(_cast_output(param_dtype))
+            continue
         views = {}
         for name, param in module._parameters.items():
             if param is None:
