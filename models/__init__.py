@@ -53,6 +53,7 @@ class ModelSpec:
     block_tp_plan: Callable[[bool], dict]  # (sequence_parallel) -> plan
     tp_divisible_sizes: Callable[[Any], dict[str, int]]
     blocks: Callable[[nn.Module], nn.ModuleDict]
+    head: Callable[[nn.Module], nn.Linear]  # the output projection; model(tokens, labels) calls it as head(h, labels)
     fsdp_units: Callable[[nn.Module], list]
     hf_adapter: Callable[[Any], HFAdapter]  # (model args, or their asdict() from a checkpoint) -> adapter
     # (args, parallel.memory.ActivationInputs, each block's checkpointing kind) -> ActivationBytes

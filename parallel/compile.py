@@ -151,9 +151,10 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 def compile_forward_loss(
-    model: nn.Module, loss_fn: Callable[..., torch.Tensor], compile_cfg: Compile, *, fullgraph: bool = False
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, compile_cfg: Compile, *, fullgraph: bool = False
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`(inputs, labels) -> loss_fn(model(inputs), labels)`, the training forward.
+    """`(inputs, labels) -> loss_fn(model(inputs), labels)`, the training forward; with
+    `loss_fn` None, `model(inputs, labels)` (a model whose head computes the loss).
 
     With strategy "model" and both "model" and "loss" in components, this one function is
     compiled, so the head, the softmax and the loss (loss parallel included) sit in the same
@@ -167,11 +168,13 @@ def compile_forward_loss(
     whenever that mesh was not the very object passed in.
     """
     if not _fuses_loss(compile_cfg):
+        if loss_fn is None:
+            return lambda inputs, labels: model(inputs, labels)
         loss = compile_loss(loss_fn, compile_cfg)
         return lambda inputs, labels: _plain(loss(model(inputs), labels))
     _set_recompile_limit(compile_cfg.recompile_limit)
 
     def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _plain(loss_fn(model(inputs), labels))
+        return model(inputs, labels) if loss_fn is None else _plain(loss_fn(model(inputs), labels))
 
     return torch.compile(forward_loss, backend=compile_cfg.backend, fullgraph=fullgraph, dynamic=False)

@@ -13,13 +13,21 @@ its backward into one pointwise kernel, which is what the chunks do by hand.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 # fp32 elements of one chunk: 512 MiB, about 1,000 tokens of a 128k vocabulary.
 CHUNK_ELEMENTS = 1 << 27
+
+# training.head_loss: "separate" runs the head, then `cross_entropy_loss` on its logits;
+# "fused" computes the loss inside the head, chunk by chunk (`fuse_loss_into_head`): less
+# memory, slower (docs/performance.md), so not the default.
+HEAD_LOSS_MODES = ("separate", "fused")
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -143,3 +151,114 @@ class _CrossEntropyFromStats(torch.autograd.Function):
                 p.scatter_add_(1, index[start:stop, None], -here[start:stop, None].float())
                 torch.mul(p, grad_loss / tokens, out=grad[start:stop, :real])  # scale and downcast
         return grad, None, None, None, None, None
+
+
+def chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, num_classes: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk of logits [rows, vocab], and `scale` x its gradient.
+
+    fp32 inside, the gradient in the logits' dtype; columns >= `num_classes` (vocab padding)
+    take no probability mass and get zero gradient. Eagerly one fp32 chunk-sized buffer is
+    updated in place (as `_chunked_stats` and `_CrossEntropyFromStats` do); compiled, inductor
+    fuses it into a reduction and a pointwise kernel.
+    """
+    real = min(num_classes, logits.shape[-1])
+    x = logits[:, :real]
+    peak = x.amax(dim=-1).float()
+    p = x - peak[:, None]  # fp32: reads x in its own dtype
+    p.exp_()
+    total = p.sum(dim=-1)
+    loss = (peak + total.log() - x.gather(1, labels[:, None]).squeeze(1).float()).sum()
+    p.mul_((scale / total)[:, None])
+    p.scatter_add_(1, labels[:, None], torch.full_like(peak[:, None], -scale))
+    grad = torch.zeros_like(logits)
+    grad[:, :real] = p
+    return loss, grad
+
+
+ChunkLossAndGrad = Callable[[torch.Tensor, torch.Tensor, int, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean CE(hidden @ weight.T, labels) with both gradients computed in forward, chunk by chunk.
+
+    The head's backward needs only d loss / d logits, which the forward can compute as soon
+    as a chunk's logits exist, so no [tokens, vocab] tensor outlives its chunk: forward keeps
+    d loss / d hidden [tokens, dim] and d loss / d weight [vocab, dim] (accumulated in fp32,
+    stored in the weight's dtype, as a one-piece matmul would return it), and backward only
+    scales them by the incoming gradient. Same matmuls and FLOPs as logits -> loss -> backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, num_classes: int, chunk_rows: int, loss_and_grad: ChunkLossAndGrad):
+        tokens = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, tokens, chunk_rows):
+            rows = hidden[start:start + chunk_rows]
+            chunk_loss, grad_logits = loss_and_grad(rows @ weight.t(), labels[start:start + chunk_rows], num_classes, 1.0 / tokens)
+            loss += chunk_loss
+            torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_rows])
+            grad_weight += grad_logits.t() @ rows
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss / tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # In place: these buffers are this call's own, and a second backward through the same
+        # graph is refused by autograd anyway (the saved tensors are freed after the first).
+        return grad_hidden.mul_(grad_loss), grad_weight.mul_(grad_loss), None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    *,
+    loss_and_grad: ChunkLossAndGrad = chunk_loss_and_grad,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Mean token cross-entropy of the logits `hidden @ weight.T`, never holding more than one
+    chunk of them (about `chunk_elements` fp32 values).
+
+    hidden [..., dim] and labels [...] in any leading shape; weight [vocab, dim] (vocab may be
+    padded past `num_classes`). Plain tensors only: a vocab-sharded head (loss parallel) keeps
+    `cross_entropy_loss` on its logits. `loss_and_grad` is `chunk_loss_and_grad`, possibly
+    compiled.
+    """
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    tokens = hidden.shape[0]
+    chunks = -(-tokens // max(1, chunk_elements // weight.shape[0]))
+    chunk_rows = -(-tokens // chunks)  # as even as the chunks can be: at most two shapes to compile
+    return _LinearCrossEntropy.apply(hidden, weight, labels, num_classes, chunk_rows, loss_and_grad)
+
+
+class LinearCrossEntropyHead(nn.Linear):
+    """An output projection that, given labels, returns the loss of its logits instead of them.
+
+    Installed on a model's head by `fuse_loss_into_head` (same parameters and names, so
+    checkpoints, FSDP2 units and parameter views are unchanged); without labels it is the
+    `nn.Linear` it was. Running the loss inside the head's own forward keeps whatever
+    data-parallel hooks the head has (FSDP2 gathers its weight around this forward).
+    """
+
+    num_classes: int
+    loss_and_grad: ChunkLossAndGrad
+
+    def forward(self, input: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(input)
+        return linear_cross_entropy(input, self.weight, labels, self.num_classes, loss_and_grad=self.loss_and_grad)
+
+
+def fuse_loss_into_head(head: nn.Linear, num_classes: int, loss_and_grad: ChunkLossAndGrad = chunk_loss_and_grad) -> None:
+    """Make `head` (a bias-free `nn.Linear`, before any parallel wrapper) a `LinearCrossEntropyHead`."""
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise TypeError(f"the loss fuses into a bias-free nn.Linear head, got {type(head).__name__}")
+    head.__class__ = LinearCrossEntropyHead
+    head.num_classes = num_classes
+    head.loss_and_grad = loss_and_grad

@@ -229,12 +229,19 @@ class ActivationBytes:
     outside_blocks: int  # saved for backward outside the blocks (embedding, final norm, head input)
     block_backward: int  # working set of the largest block's backward: recomputed tensors + gradients
     logits_columns: int  # columns of the logits on this rank (vocab / tp with loss parallel)
+    head_in_features: int  # the head's input width (its weight is [logits_columns, head_in_features])
 
 
 def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: int, loss_parallel: bool,
-               compiled: bool) -> tuple[int, int, int]:
+               compiled: bool, fused_head: bool = False, head_in_features: int = 0) -> tuple[int, int, int]:
     """(forward peak, saved for backward, backward peak) of the logits and parallel/loss.py's
     cross-entropy, besides the head's input.
+
+    Fused into the head (`training.head_loss = "fused"`, parallel/loss.py's
+    `linear_cross_entropy`): forward holds the input's and the weight's gradients (the latter
+    accumulated in fp32, plus one chunk's contribution in the compute dtype) and one chunk of
+    logits and of their gradient, with an fp32 chunk when eager; it saves the two gradients in
+    the compute dtype, which backward scales in place. No [tokens, vocab] tensor at all.
 
     Eager (parallel/loss.py's chunked cross-entropy): the logits (compute dtype) are saved with
     one fp32 log-sum-exp per token; forward and backward each hold at most a couple of fp32
@@ -244,6 +251,12 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     (the padded columns and the vocab shards are masked in place).
     """
     logits = tokens * columns * compute_bytes
+    if fused_head:
+        rows = min(tokens, max(1, CHUNK_ELEMENTS // columns))
+        chunk = 2 * rows * columns * compute_bytes + (0 if compiled else 4 * rows * columns)
+        weight_grad = columns * head_in_features
+        saved = (tokens * head_in_features + weight_grad) * compute_bytes
+        return saved + weight_grad * 4 + chunk, saved, saved
     if compiled:
         return logits, logits, 2 * logits
     chunks = 2 * 4 * min(tokens * columns, CHUNK_ELEMENTS)
@@ -288,6 +301,7 @@ def estimate_memory(
     defer_reduce_scatter: bool,
     reshard_after_forward: str,
     foreach_optimizer: bool,
+    fused_head: bool = False,
 ) -> MemoryEstimate:
     """The peak of each phase of a training step on one rank, from state, units and activations.
 
@@ -300,7 +314,7 @@ def estimate_memory(
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
         tokens, act.logits_columns, real_columns, compute_bytes=a, loss_parallel=act_inputs.loss_parallel,
-        compiled=compiled_loss,
+        compiled=compiled_loss, fused_head=fused_head, head_in_features=act.head_in_features,
     )
     gathered_units = [u for u in units if u.gathered]
     largest = max((u.gathered for u in gathered_units), default=0)
@@ -317,7 +331,7 @@ def estimate_memory(
     activations = act.blocks + act.outside_blocks + casts
     base = {"parameters": state.params, "optimizer state": state.optimizer}
     running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
-    grad_logits = tokens * act.logits_columns * a
+    grad_logits = 0 if fused_head else tokens * act.logits_columns * a
     phases = [
         Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
         Phase("backward: the loss", {**running, "logits + loss": loss_bwd, "gathered parameters": kept}),

@@ -275,8 +275,10 @@ def run_loss_curve(args: argparse.Namespace, extra: list[str]) -> int:
               "--training.local_batch_size", "2", "--training.steps", str(args.steps or 200),
               "--lr_scheduler.warmup_steps", "20", "--metrics.no-enable_tensorboard", *extra]
     runs = {}
-    for name, script in (("new_paths", "train.py"), ("old_paths", "tests/reference_paths.py")):
-        result = run_weft(Variant(name, [], None, script), shared, args.nproc, args.out, False)
+    # The old paths ran the head, then the loss on its logits.
+    for name, script, overrides in (("new_paths", "train.py", []),
+                                    ("old_paths", "tests/reference_paths.py", ["--training.head_loss", "separate"])):
+        result = run_weft(Variant(name, overrides, None, script), shared, args.nproc, args.out, False)
         if result["returncode"] != 0 or not result["records"]:
             print(f"{name} failed; see {os.path.join(args.out, name + '.log')}")
             return 1

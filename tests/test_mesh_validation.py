@@ -25,6 +25,8 @@ TINY = ["--model.flavor", "tinymodel", "--training.seq_len", "32"]
     (8, ["--parallelism.tensor_parallel_degree", "8"], "n_kv_heads=4 is not divisible"),
     (4, ["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "30"], "training.seq_len=30"),
     (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "2"], "training.global_batch_size = 6"),
+    (2, ["--parallelism.tensor_parallel_degree", "2", "--training.head_loss", "fused"],
+     "training.head_loss = 'fused' needs tensor_parallel_degree 1"),
 ])
 def test_invalid_mesh(world, overrides, needle):
     cfg = load_config(TINY + overrides)

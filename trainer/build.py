@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from parallel.activation_checkpoint import apply_activation_checkpointing, set_activation_memory_budget
-from parallel.compile import apply_compile, key_compile_caches_by_process_groups
+from parallel.compile import apply_compile, compile_loss, key_compile_caches_by_process_groups
 from parallel.data_parallel import apply_data_parallel
 from parallel.init import sharded_init_normal_
+from parallel.loss import chunk_loss_and_grad, fuse_loss_into_head
 from parallel.mesh import Meshes
 from parallel.parameter_views import stored_parameters
 from parallel.torch_internals import joint_pass_cache_hash
@@ -42,6 +43,9 @@ def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     cfg, spec = run.cfg, run.spec
     with torch.device("meta"):
         model = spec.model_cls(run.model_args)
+    if run.fused_head_loss:
+        # Before any wrapper: FSDP2 and parameter views subclass the head's class as they find it.
+        fuse_loss_into_head(spec.head(model), run.tokenizer.n_words, compile_loss(chunk_loss_and_grad, cfg.compile))
     blocks = spec.blocks(model)
     if run.dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, spec.root_tp_plan(run.sequence_parallel, run.loss_parallel))

@@ -25,6 +25,7 @@ from parallel.activation_checkpoint import AC_MODES
 from parallel.compile import STRATEGIES
 from parallel.data_parallel import ENGINES
 from parallel.fsdp import RESHARD_POLICIES
+from parallel.loss import HEAD_LOSS_MODES
 from trainer import torchtitan_compat
 from trainer.errors import ConfigError
 
@@ -86,6 +87,7 @@ class Training:
     deterministic: bool = False  # use deterministic algorithms (slower)
     mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"  # gradient reduce dtype
+    head_loss: str = "separate"  # separate (head, then loss on its logits) | fused (loss inside the head, chunk by chunk: no [tokens, vocab] logits; tp = 1)
     gc_freq: int = 50  # run Python GC every N steps (automatic GC is disabled)
     device: str = "auto"  # auto | cuda | cpu
 
@@ -210,6 +212,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
     "training.mixed_precision_param": ("auto", "float32", "bfloat16"),  # fp16 would need loss scaling
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
+    "training.head_loss": HEAD_LOSS_MODES,
     "training.device": ("auto", "cuda", "cpu"),
     "parallelism.fsdp_reshard_after_forward": RESHARD_POLICIES,
     "parallelism.gradient_sync": ("step", "microbatch"),

@@ -105,6 +105,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
         foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
+        fused_head=run.fused_head_loss,
     )
     return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds, memory=memory,
                       num_params=model.num_params(), flops_per_token=model.flops_per_token(cfg.training.seq_len))
@@ -184,7 +185,8 @@ def format_plan(p: DryRunPlan) -> str:
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
         f"saved for backward",
         f"  logits + loss         {loss_bwd:>18,} B  {_gib(loss_bwd):>12}  backward peak "
-        f"(forward {_gib(loss_fwd)}; loss {'compiled' if cfg.compile.enable and 'loss' in cfg.compile.components else 'eager'})",
+        f"(forward {_gib(loss_fwd)}; loss {'compiled' if cfg.compile.enable and 'loss' in cfg.compile.components else 'eager'}"
+        f"{', fused into the head' if run.fused_head_loss else ''})",
         f"  largest gathered unit {m.largest_gathered:>18,} B  {_gib(m.largest_gathered):>12}  "
         f"data-parallel all-gather in {_name(run.param_dtype)}",
     ]

@@ -52,6 +52,7 @@ class ResolvedRun:
     dims: ParallelDims
     sequence_parallel: bool
     loss_parallel: bool
+    fused_head_loss: bool  # the loss runs inside the head, chunk by chunk (training.head_loss resolved)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
@@ -89,6 +90,12 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
     if param == "auto":
         param = "bfloat16" if target_device_type(cfg) == "cuda" else "float32"
     p, c = cfg.parallelism, cfg.compile
+    head_loss = cfg.training.head_loss
+    if head_loss == "fused" and dims.tp > 1:
+        raise ConfigError(
+            "training.head_loss = 'fused' needs tensor_parallel_degree 1 (with tp > 1 the head is vocab-sharded "
+            "and the loss runs on its logits); use 'separate'."
+        )
     engine = resolve_engine(p.data_parallel_engine,
                             whole_model_compile=c.enable and c.strategy == "model" and "model" in c.components)
     if engine == "graph" and dims.dp_replicate > 1:
@@ -106,6 +113,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         dims=dims,
         sequence_parallel=dims.tp > 1 and p.enable_sequence_parallel,
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
+        fused_head_loss=head_loss == "fused",
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
         data_parallel_engine=engine,

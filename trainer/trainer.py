@@ -99,10 +99,10 @@ class Trainer:
         n_words = run.tokenizer.n_words
         self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words)
         # model + loss: one compiled graph under whole-model compile (the loss is looked up on
-        # self at each call, so it can be swapped, e.g. by tests).
-        self.forward_loss = compile_forward_loss(
-            self.model, lambda logits, labels: self.loss_fn(logits, labels), cfg.compile, fullgraph=run.whole_graph,
-        )
+        # self at each call, so it can be swapped, e.g. by tests). A fused head computes the
+        # loss itself: model(inputs, labels).
+        separate_loss = None if run.fused_head_loss else (lambda logits, labels: self.loss_fn(logits, labels))
+        self.forward_loss = compile_forward_loss(self.model, separate_loss, cfg.compile, fullgraph=run.whole_graph)
 
         self.step = 0
         self.compile_health: CompileHealth | None = None

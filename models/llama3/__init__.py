@@ -15,6 +15,7 @@ spec = ModelSpec(
     block_tp_plan=parallelize.block_tp_plan,
     tp_divisible_sizes=parallelize.tp_divisible_sizes,
     blocks=parallelize.blocks,
+    head=parallelize.head,
     fsdp_units=parallelize.fsdp_units,
     hf_adapter=hf_adapter,
     activation_bytes=activation_bytes,

@@ -102,6 +102,7 @@ def activation_bytes(args: ModelArgs, s: ActivationInputs, block_kinds: Sequence
         outside_blocks=outside,
         block_backward=recompute + gradients,
         logits_columns=args.vocab_size // tp if s.loss_parallel else args.vocab_size,
+        head_in_features=args.dim,
     )
 
 

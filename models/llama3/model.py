@@ -155,7 +155,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [batch, seq] -> logits [batch, seq, vocab_size]."""
+    """Token ids [batch, seq] -> logits [batch, seq, vocab_size] (or the loss, given labels)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -170,11 +170,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or with `labels` the mean loss, which only a head that takes labels computes
+        (`parallel.loss.fuse_loss_into_head`; the trainer installs it, see training.head_loss)."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.output(h, labels)
 
     @torch.no_grad()
     def init_weights(self, init_normal: InitNormal = init_normal_, buffer_device: torch.device | None = None) -> None:

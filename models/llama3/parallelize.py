@@ -79,6 +79,10 @@ def blocks(model: Transformer) -> nn.ModuleDict:
     return model.layers
 
 
+def head(model: Transformer) -> nn.Linear:
+    return model.output
+
+
 def fsdp_units(model: Transformer) -> list:
     """Embedding, each block, then norm + head together (they run back to back)."""
     return [model.tok_embeddings, *model.layers.values(), [model.norm, model.output]]
