@@ -332,13 +332,18 @@ def estimate_memory(
     base = {"parameters": state.params, "optimizer state": state.optimizer}
     running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
     grad_logits = 0 if fused_head else tokens * act.logits_columns * a
+    # A fused head keeps its two gradients (counted in the loss's saved bytes) instead of its
+    # input and its cast weight, which are alive in its forward only.
+    head_weight_copy = min(head.compute_copies, act.logits_columns * act.head_in_features * a)
+    freed = tokens * act.head_in_features * a + head_weight_copy if fused_head else 0
+    after_forward = {**running, "activations": activations - freed}
     phases = [
         Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
-        Phase("backward: the loss", {**running, "logits + loss": loss_bwd, "gathered parameters": kept}),
-        Phase("backward: the head", {**running, "logits gradient": grad_logits,
+        Phase("backward: the loss", {**after_forward, "logits + loss": loss_bwd, "gathered parameters": kept}),
+        Phase("backward: the head", {**after_forward, "logits gradient": grad_logits,
                                      "gathered parameters": kept + block.gathered,
                                      "unit gradients + reduce buffer": head.gathered + head.reduce_buffer}),
-        Phase("backward: the last block", {**running, "block backward working set": act.block_backward,
+        Phase("backward: the last block", {**after_forward, "block backward working set": act.block_backward,
                                            "gathered parameters": 2 * block.gathered,  # it and the prefetched next
                                            "unit gradients + reduce buffer": block.gathered + block.reduce_buffer}),
         Phase("backward: the end", {**base, "gradients": state.grads,

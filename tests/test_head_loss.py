@@ -112,6 +112,24 @@ def test_no_tensor_holds_more_than_one_chunk_of_logits():
     assert fused.rows == 15  # 150 tokens in 10 chunks of 15 rows
 
 
+def test_fused_head_keeps_exactly_its_two_gradients():
+    """What the memory estimate counts as the fused loss's saved bytes is all it keeps for
+    backward: not its input, not the bf16 copy of its fp32 weight (dp = 1 casts at use)."""
+    from parallel.data_parallel import apply_compute_dtype
+    from parallel.memory import loss_bytes, retained_bytes
+
+    tokens, dim, vocab, num_classes = 200, 64, 512, 500
+    head = torch.nn.Linear(dim, vocab, bias=False)
+    fuse_loss_into_head(head, num_classes)
+    apply_compute_dtype(head, torch.bfloat16)
+    hidden = torch.randn(tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, num_classes, (tokens,))
+    kept = retained_bytes(lambda: head(hidden, labels), exclude=[hidden, labels, *head.parameters()])
+    _, saved, _ = loss_bytes(tokens, vocab, num_classes, compute_bytes=2, loss_parallel=False, compiled=False,
+                             fused_head=True, head_in_features=dim)
+    assert kept == saved == (tokens + vocab) * dim * 2
+
+
 def test_head_keeps_its_linear_behaviour_and_names():
     head = torch.nn.Linear(8, 12, bias=False)
     before = dict(head.state_dict())
