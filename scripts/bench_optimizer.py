@@ -74,8 +74,7 @@ def main() -> None:
     copy_ms = _time(lambda: other.copy_(big), args.steps, args.warmup)
     del big, other
 
-    def adamw(lr_tensor: torch.Tensor | None = None, **kw) -> torch.optim.AdamW:
-        lr = 3e-4 if lr_tensor is None else lr_tensor
+    def adamw(lr: float | torch.Tensor = 3e-4, **kw) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kw)
 
     def norm_only() -> None:
@@ -107,7 +106,7 @@ def main() -> None:
         ("norm + fused step with the clip folded in (what trains)", _time(folded_clip, args.steps, args.warmup), 36 * n),
     ]
     del fused
-    compiled = adamw(foreach=True, capturable=True, lr_tensor=torch.tensor(3e-4, device=device))
+    compiled = adamw(torch.tensor(3e-4, device=device), foreach=True, capturable=True)
 
     @torch.compile
     def compiled_step() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> t
 
 
 @torch.no_grad()
-def clip_and_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_and_step(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the gradients to `max_norm` by their global norm, step, and return the norm before clipping.
 
     The update is memory-bound, and a separate clip reads and writes every fp32 gradient once

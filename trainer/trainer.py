@@ -133,7 +133,7 @@ class Trainer:
                 loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_and_step(self.optimizer, list(self.model.parameters()), self.cfg.training.max_norm)
+        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), self.cfg.training.max_norm)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
