@@ -27,10 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from parallel.compact_gradients import CompactGradients, cast_into_sink
 from parallel.fsdp import FSDPUnit, apply_fsdp
 from parallel.graph_data_parallel import apply_graph_data_parallel
 from parallel.mesh import Meshes
-from parallel.parameter_views import install_parameter_views, modules_with_parameters
+from parallel.parameter_views import has_parameter_views, install_parameter_views, modules_with_parameters
 
 ENGINES = ("auto", "fully_shard", "graph")
 
@@ -56,18 +57,20 @@ def describe(engine: str, requested: str, dp: int) -> str:
     return f"{engine} (auto)" if requested == "auto" else engine
 
 
-def _cast_to(dtype: torch.dtype):
-    def view(stored: torch.Tensor) -> torch.Tensor:
-        return stored.to(dtype)
+class CastView:
+    """The parameter view of dp = 1: the stored fp32 parameter cast to the compute dtype at use
+    (for a tp-replicated DTensor, its local tensor). One per parameter, so that its gradient
+    can be routed into the parameter's own sink (`compact_gradients`)."""
 
-    return view
+    def __init__(self, dtype: torch.dtype, local: bool) -> None:
+        self.dtype, self.local = dtype, local
+        self.sink: torch.Tensor | None = None
 
-
-def _cast_to_local(dtype: torch.dtype):
-    def view(stored: DTensor) -> torch.Tensor:
-        return stored.to(dtype).to_local()
-
-    return view
+    def __call__(self, stored: torch.Tensor) -> torch.Tensor:
+        if self.sink is not None:
+            return cast_into_sink(stored, self.sink)
+        cast = stored.to(self.dtype)
+        return cast.to_local() if self.local else cast
 
 
 def _cast_output(dtype: torch.dtype):
@@ -94,7 +97,6 @@ def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: Dev
     before: the optimizer's foreach kernels and gradient clipping take either all plain tensors
     or all DTensors, not a mix.
     """
-    cast, cast_local = _cast_to(param_dtype), _cast_to_local(param_dtype)
     for module in modules_with_parameters(model):
         if tp_mesh is None and isinstance(module, nn.Embedding):
             module.register_forward_hook(_cast_output(param_dtype))
@@ -106,10 +108,33 @@ def apply_compute_dtype(model: nn.Module, param_dtype: torch.dtype, tp_mesh: Dev
             if tp_mesh is not None and not isinstance(param, DTensor):
                 replicated = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
                 module._parameters[name] = nn.Parameter(replicated, requires_grad=param.requires_grad)
-                views[name] = cast_local
+                views[name] = CastView(param_dtype, local=True)
             else:
-                views[name] = cast
+                views[name] = CastView(param_dtype, local=False)
         install_parameter_views(module, views)
+
+
+def cast_views(model: nn.Module) -> list[tuple[nn.Parameter, CastView]]:
+    """The parameters `apply_compute_dtype` reads through a cast, with their views."""
+    return [
+        (module._parameters[name], view)
+        for module in modules_with_parameters(model)
+        if has_parameter_views(module)
+        for name, view in module._parameter_views.items()
+        if isinstance(view, CastView)
+    ]
+
+
+def compact_gradients(model: nn.Module, param_dtype: torch.dtype) -> CompactGradients:
+    """dp = tp = 1: send the gradient of every cast-at-use parameter, in `param_dtype`, to a sink
+    that holds it until the optimizer step (parallel/compact_gradients.py)."""
+    pairs = cast_views(model)
+    if any(view.local or isinstance(p, DTensor) for p, view in pairs):
+        raise ValueError("compact gradients need plain tensors (no tensor parallel)")
+    compact = CompactGradients([p for p, _ in pairs], param_dtype)
+    for p, view in pairs:
+        view.sink = compact.sinks.get(p)
+    return compact
 
 
 def apply_data_parallel(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,27 +22,52 @@ def _fp64_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
 
 
+def _mesh(tensor: torch.Tensor) -> object:
+    return tensor.device_mesh if isinstance(tensor, DTensor) else None
+
+
+def _grouped(items: Iterable, key: Callable) -> list[list]:
+    groups: dict[object, list] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.values())
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = None) -> torch.Tensor:
-    """Clip in place and return the total L2 norm (a plain tensor, equal on every rank).
+def global_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The total L2 norm of `grads` (a plain fp32 tensor, equal on every rank).
 
     With FSDP2 and TP the grads are DTensors sharded over dp and tp; a group's norm is a
     DTensor with Partial placements, so `full_tensor()` reduces it across the mesh to what a
     single process computes on unsharded grads. Grads live on different meshes when some
     params are only dp-sharded (e.g. norms without sequence parallel), so each mesh's group is
-    reduced on its own and the group norms are combined. `max_norm <= 0` only measures.
+    reduced on its own and the group norms are combined. Grads may mix dtypes (fp32, and bf16
+    ones held by parallel/compact_gradients.py): grouped by dtype too, since the one-launch
+    CUDA kernel takes one input dtype (mixed lists fall back to a norm per tensor).
     """
-    params = [p for p in parameters if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
     group_norms = []
-    for group in groups.values():
-        norm = torch.linalg.vector_norm(torch.stack(_fp64_norms([p.grad for p in group])))
+    for group in _grouped(grads, lambda grad: (_mesh(grad), grad.dtype)):
+        norm = torch.linalg.vector_norm(torch.stack(_fp64_norms(group)))
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(group_norms)).float()
+    return torch.linalg.vector_norm(torch.stack(group_norms)).float()
+
+
+@torch.no_grad()
+def clip_grads_(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None = None) -> None:
+    """Scale the parameters' grads in place so that `total` (their global norm) becomes at most `max_norm`.
+
+    Grads on different meshes go through `clip_grads_with_norm_` one mesh at a time: its
+    foreach kernel takes all plain tensors or all DTensors of one mesh.
+    """
+    for group in _grouped(parameters, lambda p: _mesh(p.grad)):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+    """Clip in place and return the total L2 norm (`global_norm`); `max_norm <= 0` only measures."""
+    params = [p for p in parameters if p.grad is not None]
+    total = global_norm(p.grad for p in params)
     if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+        clip_grads_(params, max_norm, total, foreach=foreach)
     return total

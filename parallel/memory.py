@@ -9,7 +9,8 @@ the data-parallel buffers and the loss into the peak of each phase of a step.
 
 Assumptions, stated once (docs/planning.md has the reasoning and the measured error):
 - Gradients have the local shape and dtype of their parameter (FSDP2 reduces into the sharded
-  fp32 parameter's dtype; without a data-parallel wrapper `.grad` matches the parameter).
+  fp32 parameter's dtype), except the compact gradients of dp = 1: held in the compute dtype
+  until the step, which widens them to fp32 a group at a time.
 - AdamW keeps exp_avg and exp_avg_sq like the parameter, plus one 0-d fp32 `step` per tensor.
 - A parameter sharded over a data-parallel mesh dim is all-gathered before use, one unit at a
   time, in the compute dtype, with the next unit prefetched; its gradient is reduced from a
@@ -41,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from parallel.activation_checkpoint import is_checkpointed
+from parallel.compact_gradients import step_groups
 from parallel.loss import CHUNK_ELEMENTS
 from parallel.tensor_parallel import VocabParallelEmbedding
 
@@ -130,16 +132,22 @@ class StateBytes:
     """Bytes this rank holds for the whole run (optimizer state from the first step on)."""
 
     params: int
-    grads: int
+    grads: int  # at the end of backward
     optimizer: int  # AdamW: exp_avg + exp_avg_sq like each parameter, and a 4-byte step per tensor
+    widened_grads: int = 0  # compact gradients: the largest group the step widens to fp32 at once
 
 
-def state_bytes(model: nn.Module) -> StateBytes:
+def state_bytes(model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None) -> StateBytes:
+    """State of `model`'s parameters; gradients of the `compact` ones are held in `compute_dtype`
+    until the step, which widens them to fp32 one group at a time (parallel/compact_gradients.py)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     nbytes = lambda tensors: sum(local_numel(p) * p.dtype.itemsize for p in tensors)  # noqa: E731
-    grads = nbytes(trainable)
-    return StateBytes(params=nbytes(params), grads=grads, optimizer=2 * grads + 4 * len(trainable))
+    compact_ids = {id(p) for p in compact}
+    narrow = sum(local_numel(p) * (p.dtype.itemsize - compute_dtype.itemsize) for p in compact if p.requires_grad)
+    widened = max((nbytes(group) for group in step_groups([p for p in trainable if id(p) in compact_ids])), default=0)
+    return StateBytes(params=nbytes(params), grads=nbytes(trainable) - narrow,
+                      optimizer=2 * nbytes(trainable) + 4 * len(trainable), widened_grads=widened)
 
 
 @dataclass(frozen=True)
@@ -348,7 +356,7 @@ def estimate_memory(
                                            "unit gradients + reduce buffer": block.gathered + block.reduce_buffer}),
         Phase("backward: the end", {**base, "gradients": state.grads,
                                     "unit gradients + reduce buffer": embedding.gathered + embedding.reduce_buffer}),
-        Phase("optimizer step", {**base, "gradients": state.grads,
+        Phase("optimizer step", {**base, "gradients": state.grads, "gradients widened to fp32": state.widened_grads,
                                  "optimizer temporaries": state.params if foreach_optimizer else 0}),
     ]
     return MemoryEstimate(state=state, activations=act, activation_total=activations,

@@ -87,6 +87,7 @@ class Training:
     deterministic: bool = False  # use deterministic algorithms (slower)
     mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"  # gradient reduce dtype
+    compact_gradients: bool = False  # one GPU (dp = tp = 1), bf16 compute, one micro-batch: gradients stay bf16 until the step widens them (FSDP2's numerics; 2 bytes/param less at the end of backward)
     head_loss: str = "separate"  # separate (head, then loss on its logits) | fused (loss inside the head, chunk by chunk: no [tokens, vocab] logits; tp = 1)
     gc_freq: int = 50  # run Python GC every N steps (automatic GC is disabled)
     device: str = "auto"  # auto | cuda | cpu

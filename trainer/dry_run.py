@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.activation_checkpoint import checkpoint_kind
+from parallel.data_parallel import cast_views
 from parallel.memory import (
     GIB,
     ActivationInputs,
@@ -95,7 +96,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
     )
     units = unit_bytes(spec.fsdp_units(model), model, run.param_dtype, run.reduce_dtype)
     memory = estimate_memory(
-        state_bytes(model),
+        state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype),
         units,
         spec.activation_bytes(run.model_args, inputs, kinds),
         inputs,
@@ -180,7 +181,9 @@ def format_plan(p: DryRunPlan) -> str:
         "memory per rank (rank 0 holds the largest shards; parameters, gradients and optimizer state are exact,",
         "the rest is estimated: docs/planning.md says how and how well):",
         f"  parameters            {s.params:>18,} B  {_gib(s.params):>12}",
-        f"  gradients             {s.grads:>18,} B  {_gib(s.grads):>12}",
+        f"  gradients             {s.grads:>18,} B  {_gib(s.grads):>12}"
+        + (f"  at the end of backward, compact (training.compact_gradients); widened to fp32 "
+           f"{_gib(s.widened_grads)} at a time by the step" if s.widened_grads else ""),
         f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
         f"saved for backward",

@@ -53,6 +53,7 @@ class ResolvedRun:
     sequence_parallel: bool
     loss_parallel: bool
     fused_head_loss: bool  # the loss runs inside the head, chunk by chunk (training.head_loss resolved)
+    compact_gradients: bool  # dp = 1 with a compute dtype narrower than fp32: gradients held in it until the step
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
@@ -114,6 +115,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         sequence_parallel=dims.tp > 1 and p.enable_sequence_parallel,
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         fused_head_loss=head_loss == "fused",
+        compact_gradients=_compact_gradients(cfg, dims, DTYPES[param], global_batch),
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
         data_parallel_engine=engine,
@@ -125,6 +127,24 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         initial_load_path=resolve_initial_load(cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf,
                                                cfg.checkpoint.initial_load_model_only),
     )
+
+
+def _compact_gradients(cfg: JobConfig, dims: ParallelDims, param_dtype: torch.dtype, global_batch: int) -> bool:
+    """training.compact_gradients resolved: it acts on one GPU (dp = tp = 1) with a compute dtype
+    narrower than fp32, and there needs one micro-batch per step."""
+    if not cfg.training.compact_gradients:
+        return False
+    if dims.dp * dims.tp > 1 or param_dtype.itemsize == 4:
+        logger.info("training.compact_gradients has no effect here: it acts on one GPU (dp = tp = 1) with "
+                    "bf16 compute; under FSDP2 the fp32 gradients are sharded already")
+        return False
+    if global_batch > cfg.training.local_batch_size:
+        raise ConfigError(
+            f"training.compact_gradients holds one micro-batch's gradients in {param_dtype}; with "
+            f"global_batch_size {global_batch} = {global_batch // cfg.training.local_batch_size} micro-batches "
+            "they would sum in it. Set training.compact_gradients = false, or global_batch_size = local_batch_size."
+        )
+    return True
 
 
 def _model_spec(cfg: JobConfig) -> ModelSpec:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.compile import compile_forward_loss
-from parallel.data_parallel import describe as describe_data_parallel
+from parallel.data_parallel import compact_gradients, describe as describe_data_parallel
 from parallel.fsdp import set_gradient_sync
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
@@ -87,6 +87,9 @@ class Trainer:
         )
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device)
+        self.compact_gradients = None
+        if run.compact_gradients:
+            self.compact_gradients = compact_gradients(self.model, run.param_dtype)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
                            dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)
@@ -133,7 +136,8 @@ class Trainer:
                 loss = self.forward_loss(inputs, labels) / accum
                 loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), self.cfg.training.max_norm)
+        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), self.cfg.training.max_norm,
+                                  self.compact_gradients)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm

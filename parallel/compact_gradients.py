@@ -1,0 +1,101 @@
+"""One GPU: gradients kept in the compute dtype from backward to the optimizer step.
+
+Without a data-parallel wrapper each fp32 master weight is cast to the compute dtype where it
+is used (parallel/data_parallel.py), so autograd computes its gradient in that dtype and the
+cast's backward widens it to fp32 on the way into `param.grad`: 4 bytes per parameter for a
+value that fits in 2. At the end of backward every gradient is alive at once, next to the
+parameters and optimizer state, and that is the step's memory peak whenever activations are
+small (8B on one H200: 119.7 GiB of 139, of which 29.9 GiB are fp32 gradients).
+
+Here the cast sends its gradient, unwidened, to a per-parameter *sink*: a leaf tensor of the
+parameter's shape in the compute dtype whose storage is one element (all strides 0), so it
+costs nothing while autograd accumulates the gradient into `sink.grad` as it would into a
+bf16 parameter's. The optimizer step widens the gradients to fp32 a bounded group at a time
+(`materialized`), which is the widening the cast's backward used to do, moved, not added.
+Numerically this is FSDP2's mixed precision: FSDP2 also holds the unsharded gradient in
+`param_dtype` and widens it only to reduce it.
+
+Limits: one micro-batch per step (a second would sum into the held gradient in the compute
+dtype, where `param.grad` sums in fp32) and plain tensors (no tensor parallel), both checked
+where the run is resolved. Parameters without a cast (the embedding table, looked up in fp32
+with its rows summed in fp32) keep their ordinary fp32 `param.grad`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+# The fp32 gradients alive at once during the step: the largest parameter's, or this many
+# bytes of smaller ones.
+GROUP_BYTES = 1 << 30
+
+
+class _CastIntoSink(torch.autograd.Function):
+    """`stored.to(sink.dtype)`, whose gradient goes to `sink` as it is, and none to `stored`."""
+
+    @staticmethod
+    def forward(ctx, stored: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        return stored.to(sink.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+def cast_into_sink(stored: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    return _CastIntoSink.apply(stored, sink)
+
+
+def step_groups(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`parameters` in order, split into groups of at most GROUP_BYTES of fp32 gradient (a larger
+    parameter is a group of its own): what the step widens at once."""
+    groups: list[list[nn.Parameter]] = []
+    size = GROUP_BYTES
+    for p in parameters:
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+class CompactGradients:
+    """The sinks of `parameters`: `sinks[i]` receives the gradient of `parameters[i]`'s cast to `dtype`."""
+
+    def __init__(self, parameters: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.sinks = {
+            p: torch.empty_strided(p.shape, [0] * p.dim(), dtype=dtype, device=p.device).requires_grad_()
+            for p in self.parameters
+        }
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients held now, in the compute dtype."""
+        return [s.grad for s in self.sinks.values() if s.grad is not None]
+
+    def materialized(self, others: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
+        """Yield groups of parameters whose `.grad` is set to the fp32 gradient, one group at a time.
+
+        `others` (parameters with an ordinary `.grad`, e.g. the embedding table) come first, as
+        one group. After each group is yielded its `.grad` is cleared, so a step over the whole
+        optimizer touches only that group; what a sink held is released as it is widened.
+        """
+        held = [p for p in self.parameters if self.sinks[p].grad is not None]
+        groups = ([others] if others else []) + step_groups(held)
+        try:
+            for group in groups:
+                for p in group:
+                    sink = self.sinks.get(p)
+                    if sink is not None:
+                        p.grad, sink.grad = sink.grad.to(p.dtype), None
+                yield group
+                for p in group:
+                    p.grad = None
+        finally:
+            for sink in self.sinks.values():
+                sink.grad = None

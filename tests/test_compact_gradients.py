@@ -1,0 +1,153 @@
+"""Compact gradients at dp = 1 (parallel/compact_gradients.py): less memory, the same update.
+
+The tiny model (512-row vocabulary) with fp32 master weights cast to bf16 at use trains 3
+AdamW steps twice from the same weights and batches: with the gradients autograd leaves in
+fp32 `.grad`, and with them held in bf16 until the step, which widens them a group at a time.
+A gradient computed in bf16 and widened is exactly a bf16 value, so the parameters must come
+out bitwise equal, with clipping active (max_norm below the norms), with the foreach and the
+fused (clip folded in) AdamW.
+"""
+
+import pytest
+import torch
+
+STEPS = 3
+VOCAB = 512
+
+
+def _model():
+    from models.llama3.args import flavor_args
+    from models.llama3.model import Transformer
+    from parallel.data_parallel import apply_compute_dtype
+    from parallel.init import sharded_init_normal_
+    from parallel.parameter_views import stored_parameters
+
+    args = flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=32)
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_compute_dtype(model, torch.bfloat16)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with stored_parameters():
+        model.init_weights(sharded_init_normal_)
+    return model
+
+
+def _train(compact: bool, fused: bool, seen: dict) -> tuple[list[torch.Tensor], list[float]]:
+    from parallel.data_parallel import compact_gradients
+    from trainer.optim import clip_and_step
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    held = compact_gradients(model, torch.bfloat16) if compact else None
+    data = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (2, 33), generator=data)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        if held is not None:
+            seen["held"] = [(tuple(g.shape), g.dtype) for g in held.gradients()]
+            seen["sink bytes"] = sum(s.untyped_storage().nbytes() for s in held.sinks.values())
+            seen["fp32 .grad"] = [n for n, p in model.named_parameters() if p.grad is not None]
+        norms.append(clip_and_step(optimizer, model.parameters(), max_norm=0.05, compact=held).item())
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_compact_gradients_step_bitwise_like_fp32_grads(fused, monkeypatch):
+    import parallel.compact_gradients as compact_gradients
+
+    # Groups of at most 64 KiB of fp32 gradient: the tiny model's step runs in many groups.
+    monkeypatch.setattr(compact_gradients, "GROUP_BYTES", 64 * 1024)
+    seen = {}
+    reference, reference_norms = _train(False, fused, {})
+    params, norms = _train(True, fused, seen)
+    assert min(norms) > 0.05, "clipping must be active for the test to cover it"
+    assert norms == reference_norms
+    for got, want in zip(params, reference):
+        assert torch.equal(got, want)
+    model = _model()
+    cast = [(tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters() if n != "tok_embeddings.weight"]
+    assert seen["held"] == cast  # every cast parameter's gradient, in bf16, full shape
+    assert seen["sink bytes"] == 2 * len(cast)  # one bf16 element of storage per sink
+    assert seen["fp32 .grad"] == ["tok_embeddings.weight"]  # its fp32 lookup sums rows in fp32
+
+
+def test_step_groups_bound_the_widened_bytes():
+    from parallel.compact_gradients import GROUP_BYTES, step_groups
+
+    params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in (1 << 27, 1 << 27, 3 << 27, 1 << 26, 1 << 26)]
+    groups = step_groups(params)
+    assert [len(g) for g in groups] == [2, 1, 2]  # 1 GiB, then 1.5 GiB alone, then 0.5 GiB
+    assert [p for g in groups for p in g] == params
+    assert max(sum(p.numel() * 4 for p in g) for g in groups if len(g) > 1) <= GROUP_BYTES
+
+
+def test_dry_run_counts_compact_gradients():
+    """The planner counts 2 bytes per compact gradient and the largest widened group at the step."""
+    from trainer.config import load_config
+    from trainer.dry_run import format_plan, plan
+
+    argv = ["--job.config_file", "train_configs/llama3_8b.toml", "--comm.mode", "fake_backend",
+            "--activation_checkpoint.mode", "full"]
+    plain = format_plan(plan(load_config(argv), 1))
+    compact = format_plan(plan(load_config([*argv, "--training.compact_gradients", "true"]), 1))
+    total, table = 8_030_261_248, 128_256 * 4_096  # 8B's parameters, the embedding table's
+    assert f"gradients                 {4 * total:,} B" in plain
+    assert "backward: the end            119.66 GiB  <- peak" in plain
+    # All but the embedding table (looked up in fp32, its rows summed in fp32) in bf16.
+    assert f"gradients                 {2 * (total - table) + 4 * table:,} B" in compact
+    assert "widened to fp32 1.96 GiB at a time" in compact  # the head's fp32 gradient, the largest group
+    assert "optimizer step               107.64 GiB  <- peak" in compact
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "blocks"])
+def test_training_run_with_compact_gradients(tmp_path, corpus, compile_):
+    """train.py at dp = 1 with bf16 compute, with and without compact gradients.
+
+    Eager: the same losses and gradient norms, bit for bit. Per-block compiled: within 1e-4
+    relative, because without compact gradients inductor may fuse a norm weight's gradient
+    reduction with the cast's widening and skip the rounding to bf16 that FSDP2 (and compact
+    gradients) apply; the matmul weights' gradients are bf16 values either way.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import ROOT
+
+    records = {}
+    for compact in ("false", "true"):
+        dump = tmp_path / compact
+        proc = subprocess.run(
+            [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
+             "--model.flavor", "tinymodel", "--training.seq_len", "32", "--training.dataset_path", corpus,
+             "--training.steps", "4", "--metrics.log_freq", "1", "--job.dump_folder", str(dump),
+             "--training.mixed_precision_param", "bfloat16", "--training.compact_gradients", compact,
+             "--compile.enable", str(compile_).lower(), "--compile.strategy", "blocks"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (dump / "metrics.jsonl").read_text().splitlines()
+        records[compact] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
+    assert len(records["true"]) == 4
+    if not compile_:
+        assert records["true"] == records["false"]
+    for (loss, norm), (ref_loss, ref_norm) in zip(records["true"], records["false"]):
+        assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss) and abs(norm - ref_norm) <= 1e-4 * abs(ref_norm)
+
+
+def test_compact_gradients_refuse_gradient_accumulation(tmp_path):
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+    from trainer.run import resolve_run
+
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       "--training.mixed_precision_param", "bfloat16", "--training.compact_gradients", "true",
+                       "--training.local_batch_size", "2", "--training.global_batch_size", "4"])
+    with pytest.raises(ConfigError, match="training.compact_gradients holds one micro-batch's gradients"):
+        resolve_run(cfg, world_size=1)
+    assert not resolve_run(load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
+                                        str(tmp_path), "--training.compact_gradients", "true"]), 1).compact_gradients
