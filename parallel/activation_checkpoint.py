@@ -91,18 +91,25 @@ def _saved(func, args) -> bool:
     return not (_RECOMPUTED_GROUPS and any(isinstance(a, str) and a in _RECOMPUTED_GROUPS for a in args))
 
 
-def op_level_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
+OP_SAC_MATMULS = ("alternate", "all")
+
+
+def op_level_policy(counts: dict[str, int], matmuls: str = "alternate") -> Callable[..., CheckpointPolicy]:
     """The selective-AC policy of one checkpointed call; `counts` is that call's matmul counter.
 
-    Forward and recompute count matmuls separately (keyed by `ctx.is_recompute`) so that the
-    recompute makes the same save/recompute decision for the k-th matmul as the forward did.
+    `matmuls` "alternate" saves the 1st, 3rd, ... matmul output of the call and recomputes the
+    others (torchtitan's op SAC); "all" saves every one, so backward recomputes only norms and
+    pointwise ops: for runs with memory to spare (eager above all, where the compiler's
+    `memory_budget` is not available). Forward and recompute count matmuls separately (keyed
+    by `ctx.is_recompute`) so that the recompute makes the same save/recompute decision for
+    the k-th matmul as the forward did.
     """
-
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in _MATMUL_OPS:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
-            return CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+            saved = matmuls == "all" or counts[key] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
         if _saved(func, args):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
@@ -111,8 +118,13 @@ def op_level_policy(counts: dict[str, int]) -> Callable[..., CheckpointPolicy]:
 
 
 def op_level_context_fn():
-    """`context_fn` for `checkpoint`: a fresh matmul counter for every checkpointed call."""
-    return create_selective_checkpoint_contexts(op_level_policy(defaultdict(int)))
+    """`context_fn` for op SAC saving every other matmul: a fresh matmul counter for every call."""
+    return create_selective_checkpoint_contexts(op_level_policy(defaultdict(int), "alternate"))
+
+
+def op_level_all_matmuls_context_fn():
+    """`context_fn` for op SAC saving every matmul."""
+    return create_selective_checkpoint_contexts(op_level_policy(defaultdict(int), "all"))
 
 
 def _recompute_all_but_attention(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -133,26 +145,31 @@ def full_context_fn():
 
 
 # AOTAutograd caches a graph with a checkpoint region only if its `context_fn` carries a
-# `cache_hash` naming the save/recompute behaviour (read by torch 2.13's autograd_cache.py;
-# a torch that does not read it bypasses the cache for these graphs, as before). The policies are this file's code and the torch version's
-# op set (the torch version is in the key already), so the file's bytes identify them.
+# `cache_hash` naming the save/recompute behaviour (read by torch 2.13's autograd_cache.py; a
+# torch that does not read it bypasses the cache for these graphs). The policies are this
+# file's code and the torch version's op set (the torch version is in the key already). The
+# functions are module-level so that inductor's cache key can pickle them.
 _POLICY_HASH = source_hash(__file__)
 op_level_context_fn.cache_hash = f"weft-op-sac-{_POLICY_HASH}"
+op_level_all_matmuls_context_fn.cache_hash = f"weft-op-sac-all-matmuls-{_POLICY_HASH}"
 full_context_fn.cache_hash = f"weft-full-ac-{_POLICY_HASH}"
 
-_CHECKPOINTED_CLASSES: dict[tuple[type, bool], type] = {}
+# A block's checkpointing kind -> its `context_fn`: "full", "op" (op SAC, every other matmul
+# saved) and "op_all" (op SAC, every matmul saved).
+_CONTEXT_FNS = {"full": full_context_fn, "op": op_level_context_fn, "op_all": op_level_all_matmuls_context_fn}
+_CHECKPOINTED_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _checkpointed_class(cls: type, op_level: bool) -> type:
+def _checkpointed_class(cls: type, kind: str) -> type:
     """A subclass of `cls` whose forward runs `cls.forward` under non-reentrant checkpoint."""
-    key = (cls, op_level)
+    key = (cls, kind)
     if key not in _CHECKPOINTED_CLASSES:
-        context_fn = op_level_context_fn if op_level else full_context_fn
+        context_fn = _CONTEXT_FNS[kind]
 
         def forward(self, *args, **kwargs):
             return checkpoint(cls.forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-        prefix = "SelectiveCheckpointed" if op_level else "Checkpointed"
+        prefix = "Checkpointed" if kind == "full" else "SelectiveCheckpointed"
         _CHECKPOINTED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward})
     return _CHECKPOINTED_CLASSES[key]
 
@@ -163,33 +180,38 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def checkpoint_kind(module: nn.Module) -> str:
-    """How a block is checkpointed: "none", "full" (recompute all but attention and collectives)
-    or "op" (the op-level selective policy); read off the module, so it is what was applied."""
-    for (_, op_level), cls in _CHECKPOINTED_CLASSES.items():
+    """How a block is checkpointed: "none", "full" (recompute all but attention and collectives),
+    "op" (op SAC saving every other matmul) or "op_all" (op SAC saving every matmul); read off
+    the module, so it is what was applied."""
+    for (_, kind), cls in _CHECKPOINTED_CLASSES.items():
         if isinstance(module, cls):
-            return "op" if op_level else "full"
+            return kind
     return "none"
 
 
 def apply_activation_checkpointing(
-    blocks: nn.ModuleDict | nn.ModuleList, mode: str, selective_ac_option: str
+    blocks: nn.ModuleDict | nn.ModuleList, mode: str, selective_ac_option: str, op_sac_matmuls: str = "alternate"
 ) -> None:
     """Checkpoint the blocks in place, following `[activation_checkpoint]` in the config.
 
     mode "none": nothing. "full": every block, recomputing all but attention and collective
     outputs (`full_context_fn`). "selective" with option "op": every block, under the
-    op-level policy (save attention, collective and every other matmul output; recompute the
-    rest). "selective" with option N: the N-th, 2N-th, ... block (1-based), as in "full".
-    "memory_budget": nothing here; the compiler decides (`set_activation_memory_budget`).
+    op-level policy (save attention, collective and matmul outputs, every other one or all
+    of them as `op_sac_matmuls` says; recompute the rest). "selective" with option N: the
+    N-th, 2N-th, ... block (1-based), as in "full". "memory_budget": nothing here; the
+    compiler decides (`set_activation_memory_budget`).
     """
+    if op_sac_matmuls not in OP_SAC_MATMULS:
+        raise ValueError(f"activation_checkpoint.op_sac_matmuls must be one of {', '.join(OP_SAC_MATMULS)}; "
+                         f"got {op_sac_matmuls!r}.")
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}; got {mode!r}.")
     if mode in ("none", "memory_budget"):
         return
-    every, op_level = 1, False
+    every, kind = 1, "full"
     if mode == "selective":
         if selective_ac_option == "op":
-            op_level = True
+            kind = "op_all" if op_sac_matmuls == "all" else "op"
         elif selective_ac_option.isdigit() and int(selective_ac_option) >= 1:
             every = int(selective_ac_option)
         else:
@@ -202,7 +224,7 @@ def apply_activation_checkpointing(
         if is_checkpointed(block):
             raise ValueError(f"block {i} ({type(block).__name__}) is already activation-checkpointed.")
         if (i + 1) % every == 0:
-            block.__class__ = _checkpointed_class(type(block), op_level)
+            block.__class__ = _checkpointed_class(type(block), kind)
 
 
 def set_activation_memory_budget(budget: float) -> None:

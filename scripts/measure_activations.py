@@ -37,7 +37,7 @@ def main() -> int:
     print("| kind | mode | measured bytes | counted bytes | difference |")
     print("|---|---|---|---|---|")
     for compiled in (False,) if args.eager else (False, True):
-        for kind in ("none", "full", "op"):
+        for kind in ("none", "full", "op", "op_all"):
             measured, counted = check_block(ARGS, kind, 512, compiled=compiled)
             mode = "compiled" if compiled else "eager"
             print(f"| {kind} | {mode} | {measured:,} | {counted:,} | {measured - counted:+,} |")

@@ -80,7 +80,7 @@ def block_activations() -> dict:
     """(measured, counted) bytes one tensor-parallel (tp = 2) block keeps for backward, eager, per kind."""
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     return {f"{kind} sp={sp}": check_block(BLOCK_ARGS, kind, BLOCK_TOKENS, tp_mesh=tp_mesh, sequence_parallel=sp)
-            for sp in (True, False) for kind in ("none", "full", "op")}
+            for sp in (True, False) for kind in ("none", "full", "op", "op_all")}
 
 
 def timeout_fires() -> dict:

@@ -17,7 +17,7 @@ ARGS = ModelArgs(dim=384, n_layers=1, n_heads=3, n_kv_heads=1, ffn_dim_multiplie
                  vocab_size=512, max_seq_len=512)
 
 
-@pytest.mark.parametrize("kind", ["none", "full", "op"])
+@pytest.mark.parametrize("kind", ["none", "full", "op", "op_all"])
 def test_eager_block_keeps_what_the_count_says(kind):
     measured, counted = check_block(ARGS, kind, 256)
     assert measured == counted

@@ -66,7 +66,7 @@ def test_state_bytes_equal_the_real_shards(real, name):
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-@pytest.mark.parametrize("kind", ["none", "full", "op"])
+@pytest.mark.parametrize("kind", ["none", "full", "op", "op_all"])
 def test_tensor_parallel_block_activations_equal_the_count(real, kind, sequence_parallel):
     measured, counted = real["activations"][f"{kind} sp={sequence_parallel}"]
     assert measured == counted

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.activation_checkpoint import AC_MODES
+from parallel.activation_checkpoint import AC_MODES, OP_SAC_MATMULS
 from parallel.compile import STRATEGIES
 from parallel.data_parallel import ENGINES
 from parallel.fsdp import RESHARD_POLICIES
@@ -121,6 +121,7 @@ class Compile:
 class ActivationCheckpoint:
     mode: str = "selective"  # none | full | selective | memory_budget (compiled blocks only)
     selective_ac_option: str = "op"  # op (op-level policy) or an integer N (every N-th block)
+    op_sac_matmuls: str = "alternate"  # op SAC saves: alternate (every other matmul output, as torchtitan) | all (every one: no matmul recompute, more memory)
     memory_budget: float = 0.5  # memory_budget mode: activations kept, as a fraction of no AC's, in (0, 1]
 
 
@@ -220,6 +221,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallelism.data_parallel_engine": ENGINES,
     "compile.strategy": STRATEGIES,
     "activation_checkpoint.mode": AC_MODES,
+    "activation_checkpoint.op_sac_matmuls": OP_SAC_MATMULS,
     "checkpoint.async_mode": ("disabled", "async"),
     "checkpoint.export_dtype": ("float32", "bfloat16", "float16"),
     "comm.mode": ("default", "fake_backend", "local_tensor"),  # local_tensor is refused (torchtitan's, not weft's)

@@ -26,6 +26,8 @@ Compiled (inductor's partitioner, measured with torch 2.13): the norms keep one 
 "op" (parallel/activation_checkpoint.py saves the 1st, 3rd, 5th and 7th matmul: wq, wv, w1,
   w2): "full" plus q (a*d/tp), v (a*kv/tp), w1's output (a*f/tp), and w2's local output before
   its tp reduction (a*d). Compiled drops w2's output (backward never reads it).
+"op_all" (op SAC saving every matmul): "op" plus k (a*kv/tp), wo's local output (a*d) and
+  w3's output (a*f/tp).
 """
 
 from __future__ import annotations
@@ -76,17 +78,19 @@ def _block_bytes(args: ModelArgs, s: ActivationInputs) -> dict[str, int]:
             "none": residual + 2 * rstd + 2 * projection_input + 3 * q + attention + 3 * ffn,
             "full": residual + attention + needed_collectives,
             "op": residual + attention + needed_collectives + q + v + ffn,
+            "op_all": residual + attention + needed_collectives + q + 2 * v + 2 * ffn + a * d * t,
         }
     return {
         "none": 2 * _norm_bytes(args, s, t_sp) + 2 * projection_input + q + 2 * v + rope + attention + 4 * ffn,
         "full": residual + attention + collectives,
         "op": residual + attention + collectives + q + v + ffn + a * d * t,
+        "op_all": residual + attention + collectives + q + 2 * v + 2 * ffn + 2 * a * d * t,
     }
 
 
 def activation_bytes(args: ModelArgs, s: ActivationInputs, block_kinds: Sequence[str]) -> ActivationBytes:
     """Activations of one micro-batch on one rank; `block_kinds[i]` is block i's checkpointing
-    ("none", "full" or "op"), as read off the built model."""
+    ("none", "full", "op" or "op_all"), as read off the built model."""
     per_block = _block_bytes(args, s)
     a, tp, t = s.compute_bytes, s.tp, s.tokens
     t_sp = t // tp if s.sequence_parallel else t
@@ -106,7 +110,8 @@ def activation_bytes(args: ModelArgs, s: ActivationInputs, block_kinds: Sequence
     )
 
 
-_AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op")}
+_AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op"),
+                "op_all": ("selective", "op", "all")}
 
 
 def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = False, tp_mesh: DeviceMesh | None = None,
