@@ -7,6 +7,10 @@ git-ignored `.anchor/torchtitan` of the checkout) and its variants:
     sac_eager  no compile + op-level selective AC
     noac       per-block compile, no AC
     full       per-block compile + full AC
+    sac_eager_all    sac_eager saving every matmul output (activation_checkpoint.op_sac_matmuls
+                     = all); compared against torchtitan's sac_eager row
+    sac_all_compact  sac saving every matmul output, with training.compact_gradients (one GPU);
+                     compared against torchtitan's full row (the 8B preset's memory-matched run)
     budgetNN   per-block compile + activation_checkpoint.mode memory_budget at 0.NN (weft
                only; compared against torchtitan's sac row)
 
@@ -61,17 +65,20 @@ class Preset:
 
 
 PRESETS = {
-    "3b": Preset("train_configs/llama3_3b.toml", 2, "3B", ("sac", "sac_eager", "noac", "full")),
-    "8b": Preset("train_configs/llama3_8b.toml", 1, "8B", ("full",)),
+    "3b": Preset("train_configs/llama3_3b.toml", 2, "3B", ("sac", "sac_eager", "sac_eager_all", "noac", "full")),
+    "8b": Preset("train_configs/llama3_8b.toml", 1, "8B", ("full", "sac_all_compact")),
 }
 
 _COMPILED = ["--compile.enable", "true", "--compile.strategy", "blocks"]
 _OP_SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+_ALL_MATMULS = ["--activation_checkpoint.op_sac_matmuls", "all"]
 NAMED_VARIANTS = {
     "sac": (_COMPILED + _OP_SAC, "sac"),
     "sac_eager": (["--compile.enable", "false"] + _OP_SAC, "sac_eager"),
     "noac": (_COMPILED + ["--activation_checkpoint.mode", "none"], "noac"),
     "full": (_COMPILED + ["--activation_checkpoint.mode", "full"], "full"),
+    "sac_eager_all": (["--compile.enable", "false"] + _OP_SAC + _ALL_MATMULS, "sac_eager"),
+    "sac_all_compact": (_COMPILED + _OP_SAC + _ALL_MATMULS + ["--training.compact_gradients", "true"], "full"),
 }
 
 
