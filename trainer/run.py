@@ -53,7 +53,7 @@ class ResolvedRun:
     sequence_parallel: bool
     loss_parallel: bool
     fused_head_loss: bool  # the loss runs inside the head, chunk by chunk (training.head_loss resolved)
-    compact_gradients: bool  # dp = 1 with a compute dtype narrower than fp32: gradients held in it until the step
+    compact_gradients: bool  # training.compact_gradients resolved: one GPU, bf16 compute, one micro-batch per step
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
