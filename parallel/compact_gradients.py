@@ -69,6 +69,8 @@ class CompactGradients:
 
     def __init__(self, parameters: list[nn.Parameter], dtype: torch.dtype) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
+        if len({id(p) for p in self.parameters}) != len(self.parameters):
+            raise ValueError("a parameter read through two casts would sum its gradients in the compute dtype")
         self.sinks = {
             p: torch.empty_strided(p.shape, [0] * p.dim(), dtype=dtype, device=p.device).requires_grad_()
             for p in self.parameters
@@ -86,6 +88,8 @@ class CompactGradients:
         optimizer touches only that group; what a sink held is released as it is widened.
         """
         held = [p for p in self.parameters if self.sinks[p].grad is not None]
+        if any(p in self.sinks for p in others):
+            raise ValueError("a parameter got gradients both through its cast and directly (a tied weight?)")
         groups = ([others] if others else []) + step_groups(held)
         try:
             for group in groups:
@@ -97,5 +101,10 @@ class CompactGradients:
                 for p in group:
                     p.grad = None
         finally:
+            # After an error mid-step (the run then stops without saving), no gradient is left
+            # behind; the groups before the failing one have been stepped.
+            for group in groups:
+                for p in group:
+                    p.grad = None
             for sink in self.sinks.values():
                 sink.grad = None

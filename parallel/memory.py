@@ -135,6 +135,7 @@ class StateBytes:
     grads: int  # at the end of backward
     optimizer: int  # AdamW: exp_avg + exp_avg_sq like each parameter, and a 4-byte step per tensor
     widened_grads: int = 0  # compact gradients: the largest group the step widens to fp32 at once
+    step_group: int = 0  # parameter bytes one optimizer.step() call updates (all, or a compact group)
 
 
 def state_bytes(model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None) -> StateBytes:
@@ -146,8 +147,12 @@ def state_bytes(model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_
     compact_ids = {id(p) for p in compact}
     narrow = sum(local_numel(p) * (p.dtype.itemsize - compute_dtype.itemsize) for p in compact if p.requires_grad)
     widened = max((nbytes(group) for group in step_groups([p for p in trainable if id(p) in compact_ids])), default=0)
+    # With compact gradients the step runs once for the parameters with an ordinary `.grad`,
+    # then once per widened group.
+    step_group = max(widened, nbytes(p for p in trainable if id(p) not in compact_ids))
     return StateBytes(params=nbytes(params), grads=nbytes(trainable) - narrow,
-                      optimizer=2 * nbytes(trainable) + 4 * len(trainable), widened_grads=widened)
+                      optimizer=2 * nbytes(trainable) + 4 * len(trainable), widened_grads=widened,
+                      step_group=step_group)
 
 
 @dataclass(frozen=True)
@@ -357,7 +362,7 @@ def estimate_memory(
         Phase("backward: the end", {**base, "gradients": state.grads,
                                     "unit gradients + reduce buffer": embedding.gathered + embedding.reduce_buffer}),
         Phase("optimizer step", {**base, "gradients": state.grads, "gradients widened to fp32": state.widened_grads,
-                                 "optimizer temporaries": state.params if foreach_optimizer else 0}),
+                                 "optimizer temporaries": state.step_group if foreach_optimizer else 0}),
     ]
     return MemoryEstimate(state=state, activations=act, activation_total=activations,
                           loss=(loss_fwd, loss_saved, loss_bwd), largest_gathered=largest,

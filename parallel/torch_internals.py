@@ -1,4 +1,4 @@
-"""Every private or unstable torch API the graph data-parallel engine and whole-model compile use.
+"""Every private or unstable torch API the graph data-parallel engine and compile use.
 
 The engine itself (parallel/graph_data_parallel.py) is written against public APIs: DTensor
 `redistribute(forward_dtype=, backward_dtype=)`, `to_local(grad_placements=)`, `from_local`,
@@ -25,6 +25,8 @@ bucketing, no overlap scheduling) rather than failing the run.
 - `torch._inductor.config.aten_distributed_optimizations.enable_overlap_scheduling` (2.13):
   inductor's compute/communication overlap scheduler, GPU only. Its own size-based
   re-bucketing is turned off so the per-block buckets stay as they are. Not run here (no GPU).
+- `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` (2.13): lets
+  AOTAutograd cache graphs that call a custom `torch.autograd.Function`.
 - `InvokeSubgraphHOP.gen_schema` (torch._higher_order_ops.invoke_subgraph; 2.11-2.13) and
   `torch._guards.TracingContext.try_get`: memoized per compile for nested compile regions, see
   `memoize_nested_region_schemas`.
@@ -69,6 +71,26 @@ def annotate(key: str, value: Any) -> contextlib.AbstractContextManager:
 
 def annotation(node: fx.Node, key: str) -> Any:
     return (node.meta.get("custom") or {}).get(key)
+
+
+# ---- AOTAutograd cache ---------------------------------------------------------------------
+
+
+def cache_graphs_with_autograd_functions() -> None:
+    """Let AOTAutograd's cache store graphs that call this project's `torch.autograd.Function`s.
+
+    Dynamo traces a custom Function into the graph (its forward and backward as subgraphs of
+    an `autograd_function_apply` node), and AOTAutograd refuses to cache such graphs unless
+    `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` is set (torch
+    2.13; "Can't cache HigherOrderOperator"), so every warm start recompiled them: the compact
+    gradients' cast (in every block) and the chunked loss functions. The traced subgraphs are
+    part of the hashed graph, so the key changes with their code; ours keep no state outside
+    the tensors they are given. A torch without the flag (older than the ones checked) keeps
+    bypassing the cache for these graphs, as before.
+    """
+    config = torch._functorch.config
+    if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        config.autograd_cache_allow_custom_autograd_functions = True
 
 
 # ---- joint-graph pass (before the forward/backward partition) -----------------------------

@@ -143,3 +143,15 @@ def test_run_train_sh_comm_mode_runs_one_process():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "llama3 tinymodel on 8 simulated ranks" in proc.stdout
     assert "dp_replicate 1 x dp_shard 8 x tp 1" in proc.stdout
+
+
+def test_op_sac_saving_every_matmul_is_planned_as_such():
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--activation_checkpoint.op_sac_matmuls", "all"]
+    text = format_plan(plan(load_config(argv), 1))
+    assert "activation checkpointing: selective op (every matmul saved) on 28 of 28 blocks" in text
+    alternate = format_plan(plan(load_config(argv[:-2]), 1))
+    assert "activation checkpointing: selective op on 28 of 28 blocks" in alternate
+    # Every matmul output kept: k, wo's and w3's outputs more per block (bf16, 16,384 tokens).
+    extra = 28 * 2 * 16_384 * (1024 + 3072 + 8192)
+    assert _printed_bytes(text, "activations") - _printed_bytes(alternate, "activations") == extra

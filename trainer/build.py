@@ -22,7 +22,7 @@ from parallel.init import sharded_init_normal_
 from parallel.loss import chunk_loss_and_grad, fuse_loss_into_head
 from parallel.mesh import Meshes
 from parallel.parameter_views import stored_parameters
-from parallel.torch_internals import joint_pass_cache_hash
+from parallel.torch_internals import cache_graphs_with_autograd_functions, joint_pass_cache_hash
 from parallel.tensor_parallel import apply_tensor_parallel
 from trainer.run import ResolvedRun
 
@@ -73,4 +73,5 @@ def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
     if cfg.compile.enable:
         # After data parallel: the engine's joint-graph pass is part of what the key names.
         key_compile_caches_by_process_groups(meshes.world, extra=joint_pass_cache_hash())
+        cache_graphs_with_autograd_functions()
     return model

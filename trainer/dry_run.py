@@ -127,8 +127,8 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def _ac_summary(kinds: list[str]) -> str:
-    counts = {k: kinds.count(k) for k in ("full", "op", "none") if kinds.count(k)}
-    names = {"full": "full", "op": "selective op", "none": "none"}
+    names = {"full": "full", "op": "selective op", "op_all": "selective op (every matmul saved)", "none": "none"}
+    counts = {k: kinds.count(k) for k in names if kinds.count(k)}
     return ", ".join(f"{names[k]} on {n} of {len(kinds)} blocks" for k, n in counts.items())
 
 

@@ -285,6 +285,12 @@ def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
                 f"activation_checkpoint.selective_ac_option = {every} is larger than the model's {n_layers} "
                 f"layers, so no block would be checkpointed; use 1..{n_layers}, or activation_checkpoint.mode = 'none'."
             )
+    op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
+    if ac.op_sac_matmuls != "alternate" and not op_sac and _is_rank0():
+        logger.warning(
+            f"activation_checkpoint.op_sac_matmuls = '{ac.op_sac_matmuls}' has no effect with mode = '{ac.mode}': "
+            "it chooses what op SAC saves (mode 'selective', selective_ac_option 'op')."
+        )
     t, warmup = cfg.training, cfg.lr_scheduler.warmup_steps
     if warmup > t.steps and _is_rank0():
         logger.warning(
