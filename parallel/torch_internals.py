@@ -88,7 +88,8 @@ def cache_graphs_with_autograd_functions() -> None:
     the tensors they are given. A torch without the flag (older than the ones checked) keeps
     bypassing the cache for these graphs, as before.
     """
-    config = torch._functorch.config
+    import torch._functorch.config as config
+
     if hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
         config.autograd_cache_allow_custom_autograd_functions = True
 
