@@ -9,7 +9,7 @@ the data-parallel buffers and the loss into the peak of each phase of a step.
 
 Assumptions, stated once (docs/planning.md has the reasoning and the measured error):
 - Gradients have the local shape and dtype of their parameter (FSDP2 reduces into the sharded
-  fp32 parameter's dtype), except the compact gradients of dp = 1: held in the compute dtype
+  fp32 parameter's dtype), except compact gradients (one GPU): held in the compute dtype
   until the step, which widens them to fp32 a group at a time.
 - AdamW keeps exp_avg and exp_avg_sq like the parameter, plus one 0-d fp32 `step` per tensor.
 - A parameter sharded over a data-parallel mesh dim is all-gathered before use, one unit at a

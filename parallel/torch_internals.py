@@ -25,7 +25,7 @@ bucketing, no overlap scheduling) rather than failing the run.
 - `torch._inductor.config.aten_distributed_optimizations.enable_overlap_scheduling` (2.13):
   inductor's compute/communication overlap scheduler, GPU only. Its own size-based
   re-bucketing is turned off so the per-block buckets stay as they are. Not run here (no GPU).
-- `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` (2.13): lets
+- `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` (2.11-2.13): lets
   AOTAutograd cache graphs that call a custom `torch.autograd.Function`.
 - `InvokeSubgraphHOP.gen_schema` (torch._higher_order_ops.invoke_subgraph; 2.11-2.13) and
   `torch._guards.TracingContext.try_get`: memoized per compile for nested compile regions, see
@@ -82,7 +82,7 @@ def cache_graphs_with_autograd_functions() -> None:
     Dynamo traces a custom Function into the graph (its forward and backward as subgraphs of
     an `autograd_function_apply` node), and AOTAutograd refuses to cache such graphs unless
     `torch._functorch.config.autograd_cache_allow_custom_autograd_functions` is set (torch
-    2.13; "Can't cache HigherOrderOperator"), so every warm start recompiled them: the compact
+    2.11 and 2.13; "Can't cache HigherOrderOperator"), so every warm start recompiled them: the compact
     gradients' cast (in every block) and the chunked loss functions. The traced subgraphs are
     part of the hashed graph, so the key changes with their code; ours keep no state outside
     the tensors they are given. A torch without the flag (older than the ones checked) keeps
