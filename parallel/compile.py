@@ -8,7 +8,8 @@ symbolic graph.
 
 Order of application: tensor parallel, activation checkpointing, then `apply_compile` with
 "blocks", then data parallel, then `apply_compile` with "model" (trainer/build.py), and the
-training forward with its loss (`compile_forward_loss`, trainer/trainer.py). See
+training forward with its loss (`compile_forward_loss`, trainer/trainer.py; the
+cross-entropy's own passes, `cross_entropy_kernels`, when the loss is compiled apart). See
 docs/compile_and_ac.md for why, and for what the "model" strategy gives with each
 data-parallel engine.
 """
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from parallel.loss import EAGER_KERNELS, CrossEntropyKernels, compiled_kernels
 from parallel.torch_internals import memoize_nested_region_schemas
 
 
@@ -70,7 +72,7 @@ def _set_recompile_limit(limit: int) -> None:
     torch._dynamo.config.recompile_limit = limit
 
 
-def _fuses_loss(compile_cfg: Compile) -> bool:
+def fuses_loss(compile_cfg: Compile) -> bool:
     """Whether the model and the loss are compiled together, as one graph."""
     return (
         compile_cfg.enable
@@ -129,21 +131,36 @@ def apply_compile(
         memoize_nested_region_schemas()
         for block in modules:
             block.__class__ = _reused_class(type(block))
-    if not _fuses_loss(compile_cfg):
+    if not fuses_loss(compile_cfg):
         model.compile(backend=compile_cfg.backend, fullgraph=fullgraph, dynamic=False)
     return model
 
 
 def compile_loss(loss_fn: Callable[..., torch.Tensor], compile_cfg: Compile) -> Callable[..., torch.Tensor]:
-    """The loss compiled following `[compile]`; `loss_fn` itself unless "loss" is in components.
+    """`loss_fn` compiled following `[compile]`; `loss_fn` itself unless "loss" is in components.
 
-    Graph breaks are allowed: under loss parallel the loss runs on DTensors, whose dispatch
-    may not trace as one graph.
+    For a function that computes a loss or part of one on plain tensors (the fused head's
+    chunk). Graph breaks are allowed.
     """
     if not compile_cfg.enable or "loss" not in compile_cfg.components:
         return loss_fn
     _set_recompile_limit(compile_cfg.recompile_limit)
     return torch.compile(loss_fn, backend=compile_cfg.backend, dynamic=False)
+
+
+def cross_entropy_kernels(compile_cfg: Compile) -> CrossEntropyKernels:
+    """The passes of parallel/loss.py's cross-entropy: compiled when `[compile]` compiles the
+    loss apart from the model, eager (chunked) otherwise.
+
+    Compiling the passes rather than the loss keeps its autograd.Function eager, so backward
+    can write the logits' gradient over the logits; a compiled loss graph allocates its
+    gradient output anew. With the model and loss as one graph the loss is traced with the
+    model and these kernels are not used.
+    """
+    if not compile_cfg.enable or "loss" not in compile_cfg.components or fuses_loss(compile_cfg):
+        return EAGER_KERNELS
+    _set_recompile_limit(compile_cfg.recompile_limit)
+    return compiled_kernels(compile_cfg.backend)
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -159,7 +176,8 @@ def compile_forward_loss(
     With strategy "model" and both "model" and "loss" in components, this one function is
     compiled, so the head, the softmax and the loss (loss parallel included) sit in the same
     graph as the model and inductor can fuse them. `fullgraph` as in `apply_compile`.
-    Otherwise the model is whatever `apply_compile` made it and the loss is `compile_loss`'s.
+    Otherwise the model is whatever `apply_compile` made it and `loss_fn` runs as given: a
+    loss compiled apart from the model compiles its own parts (`cross_entropy_kernels`).
     Compiling a function rather than the module keeps state-dict names unchanged.
 
     The loss comes back as a plain tensor (under loss parallel it is a replicated DTensor).
@@ -167,11 +185,10 @@ def compile_forward_loss(
     tracing then failed in the partitioner ("Node tangents_2 was invalid, but is output")
     whenever that mesh was not the very object passed in.
     """
-    if not _fuses_loss(compile_cfg):
+    if not fuses_loss(compile_cfg):
         if loss_fn is None:
             return lambda inputs, labels: model(inputs, labels)
-        loss = compile_loss(loss_fn, compile_cfg)
-        return lambda inputs, labels: _plain(loss(model(inputs), labels))
+        return lambda inputs, labels: _plain(loss_fn(model(inputs), labels))
     _set_recompile_limit(compile_cfg.recompile_limit)
 
     def forward_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

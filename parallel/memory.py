@@ -246,7 +246,8 @@ class ActivationBytes:
 
 
 def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: int, loss_parallel: bool,
-               compiled: bool, fused_head: bool = False, head_in_features: int = 0) -> tuple[int, int, int]:
+               compiled: bool, fused_head: bool = False, head_in_features: int = 0,
+               in_model_graph: bool = False) -> tuple[int, int, int]:
     """(forward peak, saved for backward, backward peak) of the logits and parallel/loss.py's
     cross-entropy, besides the head's input.
 
@@ -256,12 +257,13 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     logits and of their gradient, with an fp32 chunk when eager; it saves the two gradients in
     the compute dtype, which backward scales in place. No [tokens, vocab] tensor at all.
 
-    Eager (parallel/loss.py's chunked cross-entropy): the logits (compute dtype) are saved with
-    one fp32 log-sum-exp per token; forward and backward each hold at most a couple of fp32
-    chunks of CHUNK_ELEMENTS at a time, and backward writes the logits' gradient in their
-    dtype. Compiled (inductor fuses the upcast, softmax and gather): the logits are saved and
-    backward adds their gradient. `real_columns` and `loss_parallel` do not change these sizes
-    (the padded columns and the vocab shards are masked in place).
+    Separate (`cross_entropy_loss`): the logits (compute dtype) are saved with one fp32
+    log-sum-exp per token, and backward writes their gradient over them. Forward also holds
+    the label logits, and, eagerly, one fp32 chunk of at most CHUNK_ELEMENTS (backward too);
+    compiled passes hold nothing more. Traced in one graph with the model (whole-model
+    compile), inductor saves the logits and backward adds their gradient as a new tensor.
+    `real_columns` and `loss_parallel` do not change these sizes (the padded columns and the
+    vocab shards are masked in place). Per-token integer temporaries are left out.
     """
     logits = tokens * columns * compute_bytes
     if fused_head:
@@ -270,11 +272,11 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
         weight_grad = columns * head_in_features
         saved = (tokens * head_in_features + weight_grad) * compute_bytes
         return saved + weight_grad * 4 + chunk, saved, saved
-    if compiled:
+    if in_model_graph:
         return logits, logits, 2 * logits
-    chunks = 2 * 4 * min(tokens * columns, CHUNK_ELEMENTS)
+    chunk = 0 if compiled else 4 * min(tokens * columns, CHUNK_ELEMENTS)
     saved = logits + 4 * tokens
-    return saved + chunks, saved, 2 * logits + chunks
+    return saved + 4 * tokens + chunk, saved, saved + chunk
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,7 @@ def estimate_memory(
     *,
     real_columns: int,
     compiled_loss: bool,
+    loss_in_model_graph: bool = False,
     grad_accum_steps: int,
     defer_reduce_scatter: bool,
     reshard_after_forward: str,
@@ -328,6 +331,7 @@ def estimate_memory(
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
         tokens, act.logits_columns, real_columns, compute_bytes=a, loss_parallel=act_inputs.loss_parallel,
         compiled=compiled_loss, fused_head=fused_head, head_in_features=act.head_in_features,
+        in_model_graph=loss_in_model_graph,
     )
     gathered_units = [u for u in units if u.gathered]
     largest = max((u.gathered for u in gathered_units), default=0)
@@ -380,6 +384,33 @@ def _unwrap(t: object) -> object:
             return t
         t = inner
     return t
+
+
+def peak_new_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes that storages created by eager `fn()` (not views of, or writes into, its
+    operands) hold at once while it runs: the working set of an op sequence, e.g. the loss's
+    chunks (tests/test_memory_estimate.py). Like `retained_bytes`, blind to compiled code."""
+    live: dict[int, tuple[StorageWeakRef, int]] = {}
+    peak = 0
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal live, peak
+            out = func(*args, **(kwargs or {}))
+            operands = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in operands:
+                    storage = t.untyped_storage()
+                    known = live.get(storage.data_ptr())
+                    if known is None or known[0].expired():
+                        live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+            live = {ptr: entry for ptr, entry in live.items() if not entry[0].expired()}
+            peak = max(peak, sum(n for _, n in live.values()))
+            return out
+
+    with _Track():
+        fn()
+    return peak
 
 
 def retained_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:

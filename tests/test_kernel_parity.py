@@ -15,6 +15,7 @@ The old formulas live in tests/reference_paths.py. Tolerances:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -106,20 +107,80 @@ def test_rms_norm_matches_fp32_casts():
     _check_both_dtypes(new, old, [x], "rms_norm")
 
 
+# The cross-entropy's two passes: eager chunks, and inductor's kernels (compiled per test).
+LOSS_KERNELS = {"eager": lambda: loss_module.EAGER_KERNELS, "inductor": lambda: loss_module.compiled_kernels("inductor")}
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled kernels are cached per code object: each test compiles its own shapes afresh."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("num_classes", [40, 64])
-def test_loss_matches_whole_fp32_cross_entropy(monkeypatch, num_classes):
+@pytest.mark.parametrize("kernels", LOSS_KERNELS)
+@pytest.mark.parametrize("logits_from", ["leaf", "an op"])
+def test_loss_matches_whole_fp32_cross_entropy(monkeypatch, fresh_dynamo, num_classes, kernels, logits_from):
     """Padded (40 of 64 columns) and unpadded vocab; chunks of 3 tokens over 2 x 11 tokens
-    so that the last chunk is partial."""
+    so that the last chunk is partial. Logits that an op made are overwritten by their
+    gradient in backward, a leaf's are not (its gradient is a new tensor)."""
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 3 * 64)
     g = torch.Generator().manual_seed(4)
     logits = 4 * torch.randn(2, 11, 64, generator=g)
     labels = torch.randint(0, num_classes, (2, 11), generator=g)
+    passes = LOSS_KERNELS[kernels]()
+    made = (lambda x: x * 1) if logits_from == "an op" else (lambda x: x)
     _check_both_dtypes(
-        lambda x: cross_entropy_loss(x, labels, num_classes),
+        lambda x: cross_entropy_loss(made(x), labels, num_classes, passes),
         lambda x: ref.cross_entropy_loss(x, labels, num_classes),
         [logits],
-        f"loss classes={num_classes}",
+        f"loss classes={num_classes} {kernels} {logits_from}",
     )
+
+
+@pytest.mark.parametrize("kernels", LOSS_KERNELS)
+def test_loss_backward_writes_the_gradient_over_the_logits(fresh_dynamo, kernels):
+    """The head's backward gets d loss / d logits in the logits' own storage, so the loss's
+    backward holds one [tokens, vocab] buffer, not two; a leaf's values, or those behind a
+    view, stay as they were."""
+    g = torch.Generator().manual_seed(10)
+    hidden = torch.randn(2, 24, 16, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(96, 16, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, 90, (2, 24), generator=g)
+    passes = LOSS_KERNELS[kernels]()
+    logits = hidden @ weight.t()
+    reference = logits.detach().float().requires_grad_()
+    ref.cross_entropy_loss(reference, labels, 90).backward()
+    storages = []
+    logits.register_hook(lambda grad: storages.append(grad.untyped_storage().data_ptr()))
+    cross_entropy_loss(logits, labels, 90, passes).backward()
+    assert storages == [logits.untyped_storage().data_ptr()]
+    _close_bf16(logits.detach(), reference.grad, f"{kernels}: the logits' storage holds their gradient")
+
+    leaf = (hidden @ weight.t()).detach().requires_grad_()
+    before = leaf.detach().clone()
+    for kept in (leaf, leaf.view(2, 24, 96)):  # the leaf, and a view of it (which has a grad_fn)
+        cross_entropy_loss(kept, labels, 90, passes).backward()
+        assert torch.equal(leaf.detach(), before)
+        assert leaf.grad.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+
+
+def test_compiled_gradient_pass_allocates_nothing(fresh_dynamo):
+    """Inductor stores the gradient straight into the logits: no temporary of their size."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    kernels = loss_module.compiled_kernels("inductor")
+    logits = torch.randn(48, 96).bfloat16()
+    labels = torch.randint(0, 90, (48,))
+    lse, _ = kernels.stats(logits, labels, 0, 90)
+    before = logits.clone()
+    _, code = run_and_get_code(kernels.gradient_, logits, labels, lse, torch.tensor(0.5), 0, 90)
+    assert not torch.equal(logits, before)  # it did write
+    assert not any(re.search(r"\bbuf\d+ = empty_strided", c) for c in code), code
 
 
 class _LargestFloat32(TorchDispatchMode):
@@ -210,24 +271,32 @@ def test_grad_norm_matches_fp64_reference():
 
 def _distributed_checks(rank: int, world_size: int) -> None:
     """On a 2-rank tp mesh: loss parallel (vocab 16 in two shards of 8; 12 real classes pads
-    half of shard 1, 7 real classes pads all of it) against the single-process loss, and the
+    half of shard 1, 7 real classes pads all of it), with eager and compiled passes, on leaf
+    logits and on logits an op made (overwritten by their gradient), against the
+    single-process loss, and the
     gradient norm of sharded + replicated DTensor grads against fp64, equal on both ranks."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(9)
     full = 3 * torch.randn(2, 5, 16, generator=g)
-    for num_classes in (12, 7, 16):
+    loss_module.CHUNK_ELEMENTS = 2 * 8  # two tokens of a shard per chunk
+    # The compiled passes through AOTAutograd's eager backend: inductor's kernels are checked
+    # in one process above; here what matters is each shard's vocab_start and padding.
+    kernel_sets = {"eager": loss_module.EAGER_KERNELS, "compiled": loss_module.compiled_kernels("aot_eager")}
+    for (num_classes, made), (name, kernels) in itertools.product(
+        ((12, "leaf"), (7, "an op"), (16, "leaf"), (12, "an op")), kernel_sets.items()
+    ):
+        what = f"loss parallel, {num_classes} classes, logits from {made}, {name} passes"
         labels = torch.randint(0, num_classes, (2, 5), generator=g)
-        loss_module.CHUNK_ELEMENTS = 2 * 8  # two tokens of a shard per chunk
         reference = full.clone().requires_grad_()
         expected = ref.cross_entropy_loss(reference, labels, num_classes)
         expected.backward()
         sharded = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
         with loss_parallel():
-            loss = cross_entropy_loss(sharded, labels, num_classes)
+            loss = cross_entropy_loss(sharded * 1 if made == "an op" else sharded, labels, num_classes, kernels)
             loss.backward()
         assert not isinstance(loss, DTensor)
-        _close_fp32(loss.detach(), expected.detach(), f"loss parallel, {num_classes} classes")
-        _close_fp32(sharded.grad.full_tensor(), reference.grad, f"loss parallel grad, {num_classes} classes")
+        _close_fp32(loss.detach(), expected.detach(), what)
+        _close_fp32(sharded.grad.full_tensor(), reference.grad, f"{what}: grad")
 
     sharded_param = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]))
     replicated_param = torch.nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))

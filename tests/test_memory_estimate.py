@@ -7,7 +7,10 @@ way in tests/test_planner_gloo.py; the compiled counts by scripts/measure_activa
 """
 
 import pytest
+import torch
 
+import parallel.loss as loss_module
+import parallel.memory as memory
 from models.llama3.args import ModelArgs
 from models.llama3.memory import check_block
 from models.llama3.model import TransformerBlock
@@ -33,3 +36,26 @@ def test_cast_copies_kept_only_outside_checkpointing(kind):
     plain_measured, _ = check_block(ARGS, kind, 256)
     weights = sum(p.numel() for p in TransformerBlock(0, ARGS).parameters()) * 2
     assert measured - plain_measured == (weights if kind == "none" else 0)
+
+
+def test_eager_separate_loss_holds_what_the_count_says(monkeypatch):
+    """parallel/loss.py's eager cross-entropy on bf16 logits an op made (as a head's are):
+    its forward's working set, what it keeps for backward and its backward's working set
+    against `loss_bytes`, each beside the logits. Within 16 bytes a token: the count leaves
+    out per-token integer temporaries and rounds a chunk up to CHUNK_ELEMENTS."""
+    tokens, columns, real = 512, 1000, 990
+    for module in (loss_module, memory):
+        monkeypatch.setattr(module, "CHUNK_ELEMENTS", 64 * columns)
+    forward, saved, backward = (n - tokens * columns * 2 for n in memory.loss_bytes(
+        tokens, columns, real, compute_bytes=2, loss_parallel=False, compiled=False))
+    x = torch.randn(1, tokens, columns).bfloat16().requires_grad_()
+    labels = torch.randint(0, real, (1, tokens))
+    logits = x * 1
+    out = {}
+    measured_forward = memory.peak_new_bytes(lambda: out.update(loss=loss_module.cross_entropy_loss(logits, labels, real)))
+    measured_saved = memory.retained_bytes(lambda: loss_module.cross_entropy_loss(logits, labels, real), exclude=[logits])
+    measured_backward = memory.peak_new_bytes(lambda: torch.autograd.grad(out["loss"], logits))
+    for name, measured, counted in (("forward", measured_forward, forward), ("saved", measured_saved, saved),
+                                    ("backward", measured_backward, backward)):
+        assert abs(measured - counted) <= 16 * tokens, (name, measured, counted)
+    assert backward > 0 and measured_backward < tokens * columns * 2  # a chunk, not a second [tokens, vocab]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.activation_checkpoint import checkpoint_kind
+from parallel.compile import fuses_loss
 from parallel.data_parallel import cast_views
 from parallel.memory import (
     GIB,
@@ -102,6 +103,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         inputs,
         real_columns=run.tokenizer.n_words,
         compiled_loss=cfg.compile.enable and "loss" in cfg.compile.components,
+        loss_in_model_graph=fuses_loss(cfg.compile),
         grad_accum_steps=run.grad_accum_steps,
         defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
         reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
-from parallel.compile import compile_forward_loss
+from parallel.compile import compile_forward_loss, cross_entropy_kernels
 from parallel.data_parallel import compact_gradients, describe as describe_data_parallel
 from parallel.fsdp import set_gradient_sync
 from parallel.loss import cross_entropy_loss
@@ -100,7 +100,8 @@ class Trainer:
             self.val_loader = build_dataloader(cfg.training, run.tokenizer, **loader_args, split="validation",
                                                dataset_path=cfg.validation.dataset_path or None)
         n_words = run.tokenizer.n_words
-        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words)
+        kernels = cross_entropy_kernels(cfg.compile)
+        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words, kernels)
         # model + loss: one compiled graph under whole-model compile (the loss is looked up on
         # self at each call, so it can be swapped, e.g. by tests). A fused head computes the
         # loss itself: model(inputs, labels).
