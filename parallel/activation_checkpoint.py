@@ -1,4 +1,5 @@
-"""Activation checkpointing of transformer blocks: full, every N-th block, or op-level selective.
+"""Activation checkpointing of transformer blocks: full, every N-th block, op-level selective,
+or a kind per block.
 
 Model-agnostic: the caller passes the container of blocks (e.g. `model.layers`). A block is
 checkpointed in place by swapping its class for a subclass whose `forward` runs the original
@@ -28,7 +29,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from parallel.torch_internals import source_hash
 
-AC_MODES = ("none", "full", "selective", "memory_budget")
+AC_MODES = ("none", "full", "selective", "memory_budget", "per_block")
+
+# What one block can be, from the least activation memory (and the most recompute) to the most:
+# "full" (recompute all but attention and collectives), "op" (op SAC, every other matmul output
+# saved), "op_all" (op SAC, every matmul output saved) and "none" (no checkpointing).
+BLOCK_KINDS = ("full", "op", "op_all", "none")
 
 aten = torch.ops.aten
 
@@ -189,17 +195,32 @@ def checkpoint_kind(module: nn.Module) -> str:
     return "none"
 
 
-def apply_activation_checkpointing(
-    blocks: nn.ModuleDict | nn.ModuleList, mode: str, selective_ac_option: str, op_sac_matmuls: str = "alternate"
-) -> None:
-    """Checkpoint the blocks in place, following `[activation_checkpoint]` in the config.
+def parse_per_block(layout: str, n_blocks: int | None = None) -> list[str]:
+    """`activation_checkpoint.per_block`, e.g. "op_all:12,op:16", as one kind per block from the
+    first block on. With `n_blocks` the counts must add up to it. ValueError names the fix."""
+    kinds: list[str] = []
+    for part in layout.split(","):
+        kind, _, count = part.strip().partition(":")
+        if kind not in BLOCK_KINDS or not count.isdigit():
+            raise ValueError(f"activation_checkpoint.per_block must be kind:count,... with kinds "
+                             f"{', '.join(BLOCK_KINDS)} (e.g. 'op_all:12,op:16'); got {layout!r}.")
+        kinds += [kind] * int(count)
+    if n_blocks is not None and len(kinds) != n_blocks:
+        raise ValueError(f"activation_checkpoint.per_block = {layout!r} lays out {len(kinds)} blocks; "
+                         f"the model has {n_blocks}.")
+    return kinds
 
-    mode "none": nothing. "full": every block, recomputing all but attention and collective
-    outputs (`full_context_fn`). "selective" with option "op": every block, under the
-    op-level policy (save attention, collective and matmul outputs, every other one or all
-    of them as `op_sac_matmuls` says; recompute the rest). "selective" with option N: the
-    N-th, 2N-th, ... block (1-based), as in "full". "memory_budget": nothing here; the
-    compiler decides (`set_activation_memory_budget`).
+
+def block_kinds(
+    n_blocks: int, mode: str, selective_ac_option: str, op_sac_matmuls: str = "alternate", per_block: str = ""
+) -> list[str]:
+    """Each block's kind (`BLOCK_KINDS`), following `[activation_checkpoint]` in the config.
+
+    mode "none" and "memory_budget" (the compiler decides, `set_activation_memory_budget`):
+    no block is wrapped. "full": every block. "selective" with option "op": every block under
+    op SAC, saving every other matmul output or all of them as `op_sac_matmuls` says;
+    with option N: the N-th, 2N-th, ... block (1-based) as in "full". "per_block": the
+    `per_block` layout, e.g. "op_all:12,op:16", to spend exactly the memory a run has.
     """
     if op_sac_matmuls not in OP_SAC_MATMULS:
         raise ValueError(f"activation_checkpoint.op_sac_matmuls must be one of {', '.join(OP_SAC_MATMULS)}; "
@@ -207,23 +228,34 @@ def apply_activation_checkpointing(
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode must be one of {', '.join(AC_MODES)}; got {mode!r}.")
     if mode in ("none", "memory_budget"):
-        return
-    every, kind = 1, "full"
-    if mode == "selective":
-        if selective_ac_option == "op":
-            kind = "op_all" if op_sac_matmuls == "all" else "op"
-        elif selective_ac_option.isdigit() and int(selective_ac_option) >= 1:
-            every = int(selective_ac_option)
-        else:
-            raise ValueError(
-                "activation_checkpoint.selective_ac_option must be 'op' or a positive integer, "
-                f"got {selective_ac_option!r}."
-            )
+        return ["none"] * n_blocks
+    if mode == "per_block":
+        return parse_per_block(per_block, n_blocks)
+    if mode == "full" or selective_ac_option == "op":
+        kind = "full" if mode == "full" else ("op_all" if op_sac_matmuls == "all" else "op")
+        return [kind] * n_blocks
+    if not (selective_ac_option.isdigit() and int(selective_ac_option) >= 1):
+        raise ValueError(
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {selective_ac_option!r}."
+        )
+    every = int(selective_ac_option)
+    return ["full" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
+
+
+def apply_activation_checkpointing(
+    blocks: nn.ModuleDict | nn.ModuleList,
+    mode: str,
+    selective_ac_option: str,
+    op_sac_matmuls: str = "alternate",
+    per_block: str = "",
+) -> None:
+    """Checkpoint the blocks in place, each as `block_kinds` says for these settings."""
     modules = blocks.values() if isinstance(blocks, nn.ModuleDict) else list(blocks)
-    for i, block in enumerate(modules):
+    kinds = block_kinds(len(modules), mode, selective_ac_option, op_sac_matmuls, per_block)
+    for i, (block, kind) in enumerate(zip(modules, kinds)):
         if is_checkpointed(block):
             raise ValueError(f"block {i} ({type(block).__name__}) is already activation-checkpointed.")
-        if (i + 1) % every == 0:
+        if kind != "none":
             block.__class__ = _checkpointed_class(type(block), kind)
 
 

@@ -193,7 +193,16 @@ def unit_bytes(
     return out
 
 
-def _cast_copies_kept(model: nn.Module) -> set[int]:
+def cast_copy_bytes(module: nn.Module, compute_dtype: torch.dtype) -> int:
+    """Bytes of the cast-at-use copies autograd would keep for `module`'s parameters if it
+    were not activation-checkpointed: what a block of kind "none" adds to `unit_bytes`'s
+    `compute_copies`, for the dry run to weigh layouts other than the one it built."""
+    kept = _cast_copies_kept(module, through_checkpoints=True)
+    return sum(local_numel(p) for p in module.parameters()
+               if id(p) in kept and not _is_dp_sharded(p) and p.dtype != compute_dtype) * compute_dtype.itemsize
+
+
+def _cast_copies_kept(model: nn.Module, through_checkpoints: bool = False) -> set[int]:
     """ids of the parameters whose cast-at-use copy autograd keeps from forward to backward.
 
     Not inside an activation-checkpointed module: the cast runs in the checkpointed forward, so
@@ -205,7 +214,7 @@ def _cast_copies_kept(model: nn.Module) -> set[int]:
     kept: set[int] = set()
 
     def visit(module: nn.Module) -> None:
-        if is_checkpointed(module):
+        if is_checkpointed(module) and not through_checkpoints:
             return
         if not isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
             kept.update(id(p) for p in module._parameters.values() if p is not None)
@@ -318,6 +327,7 @@ def estimate_memory(
     reshard_after_forward: str,
     foreach_optimizer: bool,
     fused_head: bool = False,
+    cast_copies: int | None = None,
 ) -> MemoryEstimate:
     """The peak of each phase of a training step on one rank, from state, units and activations.
 
@@ -326,6 +336,7 @@ def estimate_memory(
     of backward, and the optimizer step. Within backward, freed activations and new gradients
     change linearly from block to block, so the two ends stand for all of them. With gradient accumulation the last
     micro-batch is the largest: it runs with the earlier ones' gradients held.
+    `cast_copies` replaces the units' `compute_copies` in all (another checkpointing layout).
     """
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
@@ -344,7 +355,7 @@ def estimate_memory(
         held = sum(u.reduce_buffer for u in units)  # unsharded accumulators in the reduce dtype
     else:
         held = state.grads
-    casts = sum(u.compute_copies for u in units)
+    casts = sum(u.compute_copies for u in units) if cast_copies is None else cast_copies
     activations = act.blocks + act.outside_blocks + casts
     base = {"parameters": state.params, "optimizer state": state.optimizer}
     running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch

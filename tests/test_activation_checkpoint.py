@@ -11,7 +11,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from parallel.activation_checkpoint import apply_activation_checkpointing, is_checkpointed, op_level_policy
+from parallel.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpoint_kind,
+    is_checkpointed,
+    op_level_policy,
+)
 from tests.dist_utils import run_distributed
 
 DIM, HEADS, HIDDEN, SEQ = 16, 2, 24, 8
@@ -127,6 +132,38 @@ def test_op_level_recomputes_every_other_matmul_and_never_attention():
     # every block. w2's output is not needed by backward, so it is never recomputed.
     assert log.addmm_widths == [DIM, HIDDEN] * n
     assert log.attention == 0
+
+
+@pytest.mark.parametrize("layout, kinds", [("op_all:2,op:1", ["op_all", "op_all", "op"]),
+                                           ("op:1,full:1,none:1", ["op", "full", "none"]),
+                                           ("op_all:3", ["op_all"] * 3)])
+def test_per_block_layout_checkpoints_each_block_as_it_says(layout, kinds):
+    """mode per_block: each block gets its kind; "op_all" blocks recompute no matmul, "op"
+    blocks every other one, "full" ones all five (the attention of none); the outputs and
+    gradients are no AC's, bit for bit."""
+    ref, x = _make(3)
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(model.layers, "per_block", "op", per_block=layout)
+    assert [checkpoint_kind(b) for b in model.layers] == kinds
+    out_ref, dx_ref, grads_ref = _run(ref, x)
+    out, dx, grads = _run(model, x)
+    assert torch.equal(out, out_ref) and torch.equal(dx, dx_ref)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    log = _recomputed(model, x.detach().clone().requires_grad_())
+    # backward runs the blocks last to first
+    expected = {"op": [DIM, HIDDEN], "op_all": [], "full": [3 * DIM, DIM, HIDDEN, HIDDEN], "none": []}
+    assert log.addmm_widths == [w for kind in reversed(kinds) for w in expected[kind]] and log.attention == 0
+
+
+@pytest.mark.parametrize("layout, needle", [("op:4", "lays out 4 blocks; the model has 3"),
+                                            ("op:2", "lays out 2 blocks; the model has 3"),
+                                            ("op 3", "must be kind:count"), ("some:3", "must be kind:count"),
+                                            ("op:-1,op:4", "must be kind:count")])
+def test_per_block_layout_that_does_not_fit_the_model_raises(layout, needle):
+    model, _ = _make(3)
+    with pytest.raises(ValueError, match=needle):
+        apply_activation_checkpointing(model.layers, "per_block", "op", per_block=layout)
 
 
 @pytest.mark.parametrize("mode,option", [("full", "op"), ("selective", "1")])

@@ -155,3 +155,31 @@ def test_op_sac_saving_every_matmul_is_planned_as_such():
     # Every matmul output kept: k, wo's and w3's outputs more per block (bf16, 16,384 tokens).
     extra = 28 * 2 * 16_384 * (1024 + 3072 + 8192)
     assert _printed_bytes(text, "activations") - _printed_bytes(alternate, "activations") == extra
+
+
+
+def _bumped(layout: str) -> str:
+    """The layout with one more block of its first (higher) kind."""
+    (upper, k), (lower, rest) = (part.split(":") for part in layout.split(","))
+    return f"{upper}:{int(k) + 1},{lower}:{int(rest) - 1}" if int(rest) > 1 else f"{upper}:{int(k) + 1}"
+
+
+@pytest.mark.parametrize("gib, kinds", [(75, ("op_all", "op")), (60, ("op", "full"))])
+def test_dry_run_names_the_per_block_layout_that_fits(gib, kinds):
+    """Given the GPU's memory, the plan names the per-block layout with the most activations
+    whose estimated peak fits (90% of it): planned as that layout it has the same peak, and
+    one more block of the higher kind does not fit. A plan built with no AC, whose blocks
+    keep the cast copies of their weights, finds the same layout."""
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--comm.dry_run_gpu_memory_gib", str(gib)]
+    p = plan(load_config(argv), 1)
+    layout, fitting = p.fitting_layout
+    assert [part.split(":")[0] for part in layout.split(",")] == list(kinds), layout
+    assert f"activation_checkpoint.mode = 'per_block', per_block = '{layout}'" in format_plan(p)
+    as_layout = ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block"]
+    built = plan(load_config([*argv, *as_layout, layout]), 1)
+    assert built.block_kinds == ([kinds[0]] * int(layout.split(",")[0].split(":")[1])
+                                 + [kinds[1]] * int(layout.split(",")[1].split(":")[1]))
+    assert built.memory.peak.total == fitting.peak.total <= 0.9 * gib * 2**30
+    assert plan(load_config([*argv, *as_layout, _bumped(layout)]), 1).memory.peak.total > 0.9 * gib * 2**30
+    assert plan(load_config([*argv, "--activation_checkpoint.mode", "none"]), 1).fitting_layout[0] == layout

@@ -52,7 +52,7 @@ def parallelize_model(run: ResolvedRun, meshes: Meshes) -> nn.Module:
         for block in blocks.values():
             apply_tensor_parallel(block, meshes.tp, spec.block_tp_plan(run.sequence_parallel))
     ac = cfg.activation_checkpoint
-    apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls)
+    apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls, ac.per_block)
     set_activation_memory_budget(ac.memory_budget if ac.mode == "memory_budget" else 1.0)
     # apply_compile is a no-op unless [compile] enables it with "model" in components.
     if cfg.compile.strategy == "blocks":

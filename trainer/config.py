@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.activation_checkpoint import AC_MODES, OP_SAC_MATMULS
+from parallel.activation_checkpoint import AC_MODES, OP_SAC_MATMULS, parse_per_block
 from parallel.compile import STRATEGIES
 from parallel.data_parallel import ENGINES
 from parallel.fsdp import RESHARD_POLICIES
@@ -123,6 +123,7 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"  # op (op-level policy) or an integer N (every N-th block)
     op_sac_matmuls: str = "alternate"  # op SAC saves: alternate (every other matmul output, as torchtitan) | all (every one: no matmul recompute, more memory)
     memory_budget: float = 0.5  # memory_budget mode: activations kept, as a fraction of no AC's, in (0, 1]
+    per_block: str = ""  # per_block mode: kind:count,... from the first block on; kinds full, op, op_all (op SAC saving every matmul), none; e.g. "op:18,full:10"
 
 
 @dataclass
@@ -545,6 +546,14 @@ def _check_values(cfg: JobConfig) -> None:
             f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer, got {option!r}."
         )
     ac = cfg.activation_checkpoint
+    if ac.mode == "per_block" and not ac.per_block:
+        raise ConfigError("activation_checkpoint.mode = 'per_block' needs activation_checkpoint.per_block, e.g. "
+                          "'op:18,full:10' (the dry run with comm.dry_run_gpu_memory_gib suggests one that fits).")
+    if ac.per_block:
+        try:
+            parse_per_block(ac.per_block)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not 0.0 < ac.memory_budget <= 1.0:
         raise ConfigError(f"activation_checkpoint.memory_budget must be in (0, 1], got {ac.memory_budget}.")
     if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):

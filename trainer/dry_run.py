@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 from torch import nn
 
-from parallel.activation_checkpoint import checkpoint_kind
+from parallel.activation_checkpoint import BLOCK_KINDS, checkpoint_kind
 from parallel.compile import fuses_loss
 from parallel.data_parallel import cast_views
 from parallel.memory import (
@@ -27,6 +28,7 @@ from parallel.memory import (
     MemoryEstimate,
     ParamGroup,
     UnitBytes,
+    cast_copy_bytes,
     estimate_memory,
     parameter_groups,
     state_bytes,
@@ -40,6 +42,10 @@ from trainer.optim import optimizer_implementation
 from trainer.run import ResolvedRun, resolve_run, target_device_type
 
 
+# The share of GPU memory the estimated peak may take and still "fit": the allocator reserves more.
+FITS = 0.9
+
+
 @dataclass(frozen=True)
 class DryRunPlan:
     run: ResolvedRun
@@ -49,6 +55,7 @@ class DryRunPlan:
     memory: MemoryEstimate
     num_params: int
     flops_per_token: float
+    fitting_layout: tuple[str, MemoryEstimate] | None = None  # with comm.dry_run_gpu_memory_gib only
 
 
 def world_size_for(cfg: JobConfig) -> int:
@@ -85,7 +92,8 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
     cfg, spec = run.cfg, run.spec
     device_type = target_device_type(cfg)
     blocks = spec.blocks(model)
-    kinds = [checkpoint_kind(block) for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)]
+    block_modules = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    kinds = [checkpoint_kind(block) for block in block_modules]
     inputs = ActivationInputs(
         tokens=cfg.training.local_batch_size * cfg.training.seq_len,
         tp=run.dims.tp,
@@ -96,22 +104,61 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         fused_norm=device_type == "cuda",
     )
     units = unit_bytes(spec.fsdp_units(model), model, run.param_dtype, run.reduce_dtype)
-    memory = estimate_memory(
-        state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype),
-        units,
-        spec.activation_bytes(run.model_args, inputs, kinds),
-        inputs,
-        real_columns=run.tokenizer.n_words,
-        compiled_loss=cfg.compile.enable and "loss" in cfg.compile.components,
-        loss_in_model_graph=fuses_loss(cfg.compile),
-        grad_accum_steps=run.grad_accum_steps,
-        defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
-        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-        foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
-        fused_head=run.fused_head_loss,
-    )
-    return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds, memory=memory,
-                      num_params=model.num_params(), flops_per_token=model.flops_per_token(cfg.training.seq_len))
+    state = state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype)
+    # Cast copies: the built layout's, minus its unwrapped blocks', plus those of the layout asked about.
+    block_casts = [cast_copy_bytes(block, run.param_dtype) for block in block_modules]
+    outside_casts = sum(u.compute_copies for u in units) - sum(c for c, k in zip(block_casts, kinds) if k == "none")
+
+    def estimate(block_kinds: list[str]) -> MemoryEstimate:
+        return estimate_memory(
+            state,
+            units,
+            spec.activation_bytes(run.model_args, inputs, block_kinds),
+            inputs,
+            real_columns=run.tokenizer.n_words,
+            compiled_loss=cfg.compile.enable and "loss" in cfg.compile.components,
+            loss_in_model_graph=fuses_loss(cfg.compile),
+            grad_accum_steps=run.grad_accum_steps,
+            defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
+            fused_head=run.fused_head_loss,
+            cast_copies=outside_casts + sum(c for c, k in zip(block_casts, block_kinds) if k == "none"),
+        )
+
+    fitting = None
+    if cfg.comm.dry_run_gpu_memory_gib:
+        fitting = _most_memory_that_fits(estimate, len(kinds), cfg.comm.dry_run_gpu_memory_gib * GIB)
+    return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds, memory=estimate(kinds),
+                      num_params=model.num_params(), flops_per_token=model.flops_per_token(cfg.training.seq_len),
+                      fitting_layout=fitting)
+
+
+def _most_memory_that_fits(estimate: Callable[[list[str]], MemoryEstimate], n_blocks: int,
+                           gpu_bytes: float) -> tuple[str, MemoryEstimate] | None:
+    """The `activation_checkpoint.per_block` layout that saves the most activations (so
+    backward recomputes the least) and whose peak still fits in 90% of `gpu_bytes` (the
+    "fits" line), with its estimate; None if not even full AC on every block fits.
+
+    Kinds climb `BLOCK_KINDS` (full, op, op_all, none): every block takes the highest kind
+    that fits on all of them, then as many blocks as fit take the next one."""
+    def layout_of(upper: str, k: int, lower: str) -> list[str]:
+        return [upper] * k + [lower] * (n_blocks - k)
+
+    def fits(kinds: list[str]) -> bool:
+        return estimate(kinds).peak.total <= FITS * gpu_bytes
+
+    levels = [kind for kind in BLOCK_KINDS if fits([kind] * n_blocks)]
+    if not levels:
+        return None
+    lower = levels[-1]
+    kinds = [lower] * n_blocks
+    if lower != BLOCK_KINDS[-1]:
+        upper = BLOCK_KINDS[BLOCK_KINDS.index(lower) + 1]
+        k = max(k for k in range(n_blocks) if fits(layout_of(upper, k, lower)))
+        kinds = layout_of(upper, k, lower)
+    layout = ",".join(f"{kind}:{kinds.count(kind)}" for kind in dict.fromkeys(kinds))
+    return layout, estimate(kinds)
 
 
 def dry_run(cfg: JobConfig) -> int:
@@ -207,9 +254,13 @@ def format_plan(p: DryRunPlan) -> str:
     lines.append(f"  peak {_gib(peak.total)} = {parts}")
     if c.dry_run_gpu_memory_gib:
         share = peak.total / GIB / c.dry_run_gpu_memory_gib
-        verdict = "fits in" if share <= 0.9 else ("is tight in" if share <= 1.0 else "DOES NOT FIT in")
+        verdict = "fits in" if share <= FITS else ("is tight in" if share <= 1.0 else "DOES NOT FIT in")
         lines.append(f"  {verdict} {c.dry_run_gpu_memory_gib:g} GiB per GPU ({share:.0%}; the allocator reserves more "
                      "than it hands out: keep 10% or more free)")
+    if p.fitting_layout is not None:
+        layout, fitting = p.fitting_layout
+        lines.append(f"  the most activations that fit: activation_checkpoint.mode = 'per_block', per_block = '{layout}' "
+                     f"(peak {_gib(fitting.peak.total)}; the more saved, the less backward recomputes)")
     over_shard, over_replicate = _dp_traffic(p)
     lines += ["", f"data-parallel traffic per rank per step: {_gib(over_shard)} over dp_shard (all-gathers, "
                   f"reduce-scatter), {_gib(over_replicate)} over dp_replicate (all-reduce)"]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from models import MODEL_NAMES, ModelSpec, get_model_spec
+from parallel.activation_checkpoint import parse_per_block
 from parallel.data_parallel import resolve_engine, traceable
 from parallel.mesh import ParallelConfigError, ParallelDims
 from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
@@ -285,6 +286,14 @@ def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
                 f"activation_checkpoint.selective_ac_option = {every} is larger than the model's {n_layers} "
                 f"layers, so no block would be checkpointed; use 1..{n_layers}, or activation_checkpoint.mode = 'none'."
             )
+    if ac.mode == "per_block" and n_layers is not None:
+        try:
+            parse_per_block(ac.per_block, n_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if ac.per_block and ac.mode != "per_block" and _is_rank0():
+        logger.warning(f"activation_checkpoint.per_block = '{ac.per_block}' has no effect with mode = '{ac.mode}': "
+                       "it lays out the blocks of mode 'per_block'.")
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     if ac.op_sac_matmuls != "alternate" and not op_sac and _is_rank0():
         logger.warning(

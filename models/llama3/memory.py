@@ -110,10 +110,6 @@ def activation_bytes(args: ModelArgs, s: ActivationInputs, block_kinds: Sequence
     )
 
 
-_AC_SETTINGS = {"none": ("none", "op"), "full": ("full", "op"), "op": ("selective", "op"),
-                "op_all": ("selective", "op", "all")}
-
-
 def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = False, tp_mesh: DeviceMesh | None = None,
                 sequence_parallel: bool = False, cast_at_use: bool = False) -> tuple[int, int]:
     """(measured, counted) bytes one real bfloat16 block of checkpointing `kind` keeps for
@@ -128,7 +124,7 @@ def check_block(args: ModelArgs, kind: str, tokens: int, *, compiled: bool = Fal
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp_mesh is not None:
         apply_tensor_parallel(blocks["0"], tp_mesh, block_tp_plan(sequence_parallel))
-    apply_activation_checkpointing(blocks, *_AC_SETTINGS[kind])
+    apply_activation_checkpointing(blocks, "per_block", "op", per_block=f"{kind}:1")
     if cast_at_use:
         apply_compute_dtype(blocks, torch.bfloat16)
     block, rope = blocks["0"], rope_table(args)
