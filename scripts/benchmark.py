@@ -20,7 +20,8 @@ git-ignored `.anchor/torchtitan` of the checkout) and its variants:
     python scripts/benchmark.py --preset 3b --variants sac --profile --torchtitan-wheels .anchor_wheels
     python scripts/benchmark.py --loss-curve --out outputs/curve
 
-Each variant is one `torchrun train.py` launch (and one anchor `run.sh` launch); the table
+Each variant is one `torchrun train.py` launch; each torchtitan variant they are compared with
+is one anchor `run.sh` launch, shared by every weft row that names it. The table
 holds medians over the steps after `--skip` (tokens/s per GPU, MFU), the maxima of max
 active / max reserved memory over the same steps, and weft's recompiles after warm-up.
 `--profile` also traces step 10 of each run with torch.profiler and prints a kernel-time
@@ -258,12 +259,16 @@ def profile_breakdowns(results: list[tuple[Variant, dict, dict | None]]) -> str:
 
 def run_comparison(args: argparse.Namespace, variants: list[Variant], shared: list[str], preset: Preset | None) -> int:
     results = []
+    anchors: dict[str, dict] = {}  # torchtitan runs each of its variants once per call, however many weft rows share it
     for variant in variants:
         weft = run_weft(variant, shared, args.nproc, args.out, args.profile)
         summary = summarize(weft, args.skip)
         anchor = None
         if args.torchtitan_wheels and variant.anchor and preset is not None:
-            anchor = run_anchor(variant.anchor, args.anchor_dir, args.torchtitan_wheels, preset, args.out, args.profile)
+            if variant.anchor not in anchors:
+                anchors[variant.anchor] = run_anchor(variant.anchor, args.anchor_dir, args.torchtitan_wheels,
+                                                     preset, args.out, args.profile)
+            anchor = anchors[variant.anchor]
         results.append((variant, weft, anchor, summary))
         print(comparison_table([(summary, anchor)]), flush=True)
     table = comparison_table([(s, a) for _, _, a, s in results])
