@@ -13,6 +13,10 @@ git-ignored `.anchor/torchtitan` of the checkout) and its variants:
                      compared against torchtitan's full row (the 8B preset's memory-matched run)
     budgetNN   per-block compile + activation_checkpoint.mode memory_budget at 0.NN (weft
                only; compared against torchtitan's sac row)
+    opallNN    per-block compile + activation_checkpoint.mode per_block: NN blocks op SAC saving
+               every matmul, the rest op SAC (compared against torchtitan's sac row)
+    opNN       per-block compile + per_block: NN blocks op SAC, the rest full AC (compared
+               against torchtitan's full row); the dry run names the NN that fits
 
     python scripts/benchmark.py --preset 3b --variants sac,sac_eager \\
         --torchtitan-wheels .anchor_wheels --out outputs/bench_3b
@@ -62,12 +66,13 @@ class Preset:
     config: str
     local_batch: int
     anchor_flavor: str
+    n_layers: int  # for the per_block layouts of the opallNN / opNN variants
     variants: tuple[str, ...]
 
 
 PRESETS = {
-    "3b": Preset("train_configs/llama3_3b.toml", 2, "3B", ("sac", "sac_eager", "sac_eager_all", "noac", "full")),
-    "8b": Preset("train_configs/llama3_8b.toml", 1, "8B", ("full", "sac_all_compact")),
+    "3b": Preset("train_configs/llama3_3b.toml", 2, "3B", 28, ("sac", "sac_eager", "sac_eager_all", "noac", "full")),
+    "8b": Preset("train_configs/llama3_8b.toml", 1, "8B", 32, ("full", "sac_all_compact")),
 }
 
 _COMPILED = ["--compile.enable", "true", "--compile.strategy", "blocks"]
@@ -91,7 +96,7 @@ class Variant:
     script: str = "train.py"
 
 
-def named_variant(name: str) -> Variant:
+def named_variant(name: str, preset: Preset | None) -> Variant:
     if name in NAMED_VARIANTS:
         overrides, anchor = NAMED_VARIANTS[name]
         return Variant(name, list(overrides), anchor)
@@ -100,7 +105,19 @@ def named_variant(name: str) -> Variant:
         overrides = _COMPILED + ["--activation_checkpoint.mode", "memory_budget",
                                  "--activation_checkpoint.memory_budget", f"0.{budget.group(1)}"]
         return Variant(name, overrides, "sac")
-    sys.exit(f"unknown variant '{name}': use {', '.join(NAMED_VARIANTS)} or budgetNN (e.g. budget60)")
+    layout = re.fullmatch(r"(opall|op)(\d+)", name)
+    if layout:
+        if preset is None:
+            sys.exit(f"variant '{name}' lays out blocks of a preset's model: pass --preset")
+        kind, rest, anchor = ("op_all", "op", "sac") if layout.group(1) == "opall" else ("op", "full", "full")
+        count = int(layout.group(2))
+        if not 0 < count <= preset.n_layers:
+            sys.exit(f"variant '{name}': the {preset.anchor_flavor} model has {preset.n_layers} blocks")
+        per_block = f"{kind}:{count}" + (f",{rest}:{preset.n_layers - count}" if count < preset.n_layers else "")
+        overrides = _COMPILED + ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", per_block]
+        return Variant(name, overrides, anchor)
+    sys.exit(f"unknown variant '{name}': use {', '.join(NAMED_VARIANTS)}, budgetNN (e.g. budget60), "
+             "opallNN or opNN (e.g. opall17)")
 
 
 def free_form_variant(spec: str) -> Variant:
@@ -343,7 +360,7 @@ def main() -> int:
                   "--checkpoint.enable", "false", "--metrics.no-enable_tensorboard"]
     shared += ["--training.steps", str(args.steps or 15), *extra]
     names = args.variants.split(",") if args.variants else (list(preset.variants) if preset and not args.variant else [])
-    variants = [named_variant(n) for n in names] + [free_form_variant(s) for s in args.variant]
+    variants = [named_variant(n, preset) for n in names] + [free_form_variant(s) for s in args.variant]
     if not variants:
         sys.exit("nothing to run: pass --preset, --variants or --variant (see --help)")
     return run_comparison(args, variants, shared, preset)

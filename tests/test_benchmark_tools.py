@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.dist_utils import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchmark import _ANCHOR_LINE, PRESETS, comparison_table, run_anchor  # noqa: E402
+from benchmark import _ANCHOR_LINE, PRESETS, comparison_table, named_variant, run_anchor  # noqa: E402
 from trace_summary import CATEGORIES, classify, format_breakdown, summarize  # noqa: E402
 
 # Kernel names as torch 2.11 on an H200 spells them (issue 10's profile) or close to it.
@@ -110,3 +110,20 @@ def test_run_anchor_passes_shape_and_parses(tmp_path):
     assert result["output"].startswith("args 4 1 full flavor=8B profile=true alloc=")
     failed = run_anchor("noac", str(tmp_path), "w", PRESETS["3b"], str(tmp_path / "out"), False)
     assert not failed["ok"]
+
+
+def test_layout_variants_lay_out_every_block_of_the_preset_model():
+    """opallNN / opNN variants write a per_block layout the config accepts for the preset's model."""
+    from models.llama3.args import FLAVORS
+    from parallel.activation_checkpoint import parse_per_block
+
+    for preset in PRESETS.values():
+        n_blocks = FLAVORS[preset.anchor_flavor].n_layers
+        for name, kinds, anchor in (("opall17", ("op_all", "op"), "sac"), ("op19", ("op", "full"), "full")):
+            variant = named_variant(name, preset)
+            layout = variant.overrides[variant.overrides.index("--activation_checkpoint.per_block") + 1]
+            count = int(name.lstrip("opal"))
+            assert parse_per_block(layout, n_blocks) == [kinds[0]] * count + [kinds[1]] * (n_blocks - count)
+            assert variant.anchor == anchor
+        every = named_variant(f"opall{n_blocks}", preset)
+        assert every.overrides[-1] == f"op_all:{n_blocks}"
