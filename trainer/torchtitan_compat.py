@@ -215,7 +215,7 @@ TABLE: dict[str, Key] = {
     "activation_checkpoint.early_stop": neutral(False, "weft's activation checkpointing always recomputes the whole region"),
     "activation_checkpoint.memory_budget": SUPPORTED,
     "activation_checkpoint.visualize_memory_budget_pareto": inert(
-        False, "read only with mode = memory_budget, which weft does not offer"),
+        False, "weft's memory_budget mode sets the partitioner's budget and draws no Pareto plot"),
     "activation_checkpoint.preserve_rng_state": inert(True, "weft's Llama 3 has no dropout: nothing random is recomputed"),
     "activation_checkpoint.determinism_check": neutral("default", "weft uses torch.utils.checkpoint's default check"),
     "activation_checkpoint.debug": neutral(False, "weft has no activation-checkpoint debug mode"),
