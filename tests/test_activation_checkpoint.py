@@ -251,6 +251,31 @@ def test_compiled_block_fullgraph_matches_eager_and_keeps_policy(option):
         assert log.attention == 0
 
 
+def test_compiled_per_block_layout_compiles_one_graph_per_kind_and_keeps_each_policy():
+    """Per-block compile of a mixed layout: every kind is traced (one graph each, none left
+    eager at the default recompile limit), the numerics are no AC's, and each compiled block
+    recomputes what its kind says."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    layout, kinds = "op_all:1,op:1,full:1,none:1", ["op_all", "op", "full", "none"]
+    ref, x = _make(n_blocks=4)
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(model.layers, "per_block", "op", per_block=layout)
+    for block in model.layers:
+        block.compile(backend="aot_eager", fullgraph=True)
+    out_ref, dx_ref, grads_ref = _run(ref, x)
+    out, dx, grads = _run(model, x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(kinds)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], rtol=0, atol=1e-6, msg=name)
+    log = _recomputed(model, x.detach().clone().requires_grad_())
+    expected = {"op": [DIM, HIDDEN], "op_all": [], "full": [3 * DIM, DIM, HIDDEN, HIDDEN], "none": []}
+    # a compiled backward recomputes in its own order (the partitioner's), so compare as a multiset
+    assert sorted(log.addmm_widths) == sorted(w for kind in kinds for w in expected[kind]) and log.attention == 0
+
+
 @pytest.mark.parametrize("mode,option", [("partial", "op"), ("selective", "0"), ("selective", "-1"), ("selective", "ops")])
 def test_bad_config_raises(mode, option):
     model, _ = _make()

@@ -551,9 +551,15 @@ def _check_values(cfg: JobConfig) -> None:
                           "'op:18,full:10' (the dry run with comm.dry_run_gpu_memory_gib suggests one that fits).")
     if ac.per_block:
         try:
-            parse_per_block(ac.per_block)
+            kinds = set(parse_per_block(ac.per_block))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # Per-block compile traces one graph per kind of block (the first of each recompiles the
+        # shared block code); past the limit, the later kinds would silently run eager.
+        per_block_compiled = ac.mode == "per_block" and cfg.compile.enable and cfg.compile.strategy == "blocks"
+        if per_block_compiled and len(kinds) > cfg.compile.recompile_limit:
+            raise ConfigError(f"activation_checkpoint.per_block = {ac.per_block!r} compiles {len(kinds)} block graphs, "
+                              f"more than compile.recompile_limit = {cfg.compile.recompile_limit}; raise the limit.")
     if not 0.0 < ac.memory_budget <= 1.0:
         raise ConfigError(f"activation_checkpoint.memory_budget must be in (0, 1], got {ac.memory_budget}.")
     if ac.mode == "memory_budget" and not (cfg.compile.enable and "model" in cfg.compile.components):
