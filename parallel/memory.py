@@ -288,6 +288,13 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     return saved + 4 * tokens + chunk, saved, saved + chunk
 
 
+def head_gradient_bytes(tokens: int, columns: int, in_features: int, *, compute_bytes: int, weight: bool) -> int:
+    """What the head's backward creates while the logits' gradient is still alive: its input's
+    gradient and (`weight`) its weight's, both in the compute dtype. A cast-at-use weight's
+    gradient is widened to fp32 only after that, when the logits' gradient has been freed."""
+    return (tokens * in_features + (columns * in_features if weight else 0)) * compute_bytes
+
+
 @dataclass(frozen=True)
 class Phase:
     name: str
@@ -365,10 +372,15 @@ def estimate_memory(
     head_weight_copy = min(head.compute_copies, act.logits_columns * act.head_in_features * a)
     freed = tokens * act.head_in_features * a + head_weight_copy if fused_head else 0
     after_forward = {**running, "activations": activations - freed}
+    # Under data parallel the head weight's gradient is the unit gradient below; a fused head
+    # made both gradients in forward.
+    head_grads = 0 if fused_head else head_gradient_bytes(
+        tokens, act.logits_columns, act.head_in_features, compute_bytes=a, weight=not head.gathered)
     phases = [
         Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
         Phase("backward: the loss", {**after_forward, "logits + loss": loss_bwd, "gathered parameters": kept}),
         Phase("backward: the head", {**after_forward, "logits gradient": grad_logits,
+                                     "head input + weight gradients": head_grads,
                                      "gathered parameters": kept + block.gathered,
                                      "unit gradients + reduce buffer": head.gathered + head.reduce_buffer}),
         Phase("backward: the last block", {**after_forward, "block backward working set": act.block_backward,

@@ -59,3 +59,16 @@ def test_eager_separate_loss_holds_what_the_count_says(monkeypatch):
                                     ("backward", measured_backward, backward)):
         assert abs(measured - counted) <= 16 * tokens, (name, measured, counted)
     assert backward > 0 and measured_backward < tokens * columns * 2  # a chunk, not a second [tokens, vocab]
+
+
+def test_head_backward_makes_what_the_count_says():
+    """A cast-at-use head (fp32 weight, bf16 copy): the backward from the logits' gradient to
+    the head's input and bf16 weight copy creates exactly `head_gradient_bytes`, no fp32 temp."""
+    tokens, columns, dim = 256, 1000, 384
+    h = torch.randn(tokens, dim).bfloat16().requires_grad_()
+    weight = torch.randn(columns, dim, requires_grad=True)
+    copy = weight.bfloat16()
+    logits = torch.nn.functional.linear(h, copy)
+    grad = torch.randn_like(logits)
+    measured = memory.peak_new_bytes(lambda: torch.autograd.grad(logits, [h, copy], grad))
+    assert measured == memory.head_gradient_bytes(tokens, columns, dim, compute_bytes=2, weight=True)
