@@ -201,7 +201,7 @@ def parse_per_block(layout: str, n_blocks: int | None = None) -> list[str]:
     kinds: list[str] = []
     for part in layout.split(","):
         kind, _, count = part.strip().partition(":")
-        if kind not in BLOCK_KINDS or not count.isdigit():
+        if kind not in BLOCK_KINDS or not (count.isascii() and count.isdigit()):
             raise ValueError(f"activation_checkpoint.per_block must be kind:count,... with kinds "
                              f"{', '.join(BLOCK_KINDS)} (e.g. 'op_all:12,op:16'); got {layout!r}.")
         kinds += [kind] * int(count)

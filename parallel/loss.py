@@ -13,6 +13,7 @@ the single-expression formula is traced with the model instead, and inductor fus
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -46,7 +47,8 @@ class CrossEntropyKernels(NamedTuple):
 
 
 def cross_entropy_loss(
-    logits: torch.Tensor, labels: torch.Tensor, num_classes: int, kernels: CrossEntropyKernels | None = None
+    logits: torch.Tensor, labels: torch.Tensor, num_classes: int, kernels: CrossEntropyKernels | None = None,
+    *, overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """Mean token cross-entropy in fp32 of logits [batch, seq, vocab] and labels [batch, seq].
 
@@ -55,12 +57,14 @@ def cross_entropy_loss(
     dim; it must then run under `torch.distributed.tensor.parallel.loss_parallel()`, and the
     full logits are never gathered. The result is the same on every rank of the vocab shards.
 
-    Backward writes the logits' gradient into the logits' own storage when they are an
-    intermediate of the autograd graph (a head's output), which nothing reads after the loss:
-    one [tokens, vocab] buffer at the loss's backward instead of two (4 GiB less at Llama 3
-    3B, seq 8192, local batch 2). An autograd node that saved the logits for its own backward
-    then fails autograd's version check instead of reading a gradient; logits that are a
-    leaf or a view (of a leaf, a parameter, ...) or need no gradient are never overwritten.
+    With `overwrite_logits`, for a caller that owns the logits and reads nothing of them after
+    the loss (the trainer), backward writes the logits' gradient into the logits' own storage
+    when they are an intermediate of the autograd graph (a head's output): one [tokens, vocab]
+    buffer at the loss's backward instead of two (4 GiB less at Llama 3 3B, seq 8192, local
+    batch 2). Their version counter is bumped (the DTensor's too, under loss parallel), so an
+    autograd node that saved them fails autograd's version check instead of reading a gradient,
+    and so does a second backward through a retained graph. Logits that are a leaf or a view
+    (of a leaf, a parameter, a DTensor's local shard, ...) are never overwritten.
 
     `kernels` runs the two passes over the logits: `EAGER_KERNELS` (the default) walks them
     in chunks, `compiled_kernels(backend)` has inductor fuse each pass into one kernel. Under
@@ -75,7 +79,8 @@ def cross_entropy_loss(
     if torch.compiler.is_compiling():
         return _fused_by_compiler(logits, labels, num_classes)
     kernels = kernels or EAGER_KERNELS
-    overwrite = logits.grad_fn is not None and logits._base is None  # an op's own output, not a view
+    # an op's own output, not a view
+    overwritten = logits if overwrite_logits and logits.grad_fn is not None and logits._base is None else None
     if mesh is None:
         local, vocab_start = logits, 0
     else:
@@ -91,7 +96,7 @@ def cross_entropy_loss(
             target = torch.zeros(labels.shape, dtype=torch.float32, device=local.device)
         if mesh is not None:
             lse, target = _combine_vocab_shards(lse, target, mesh)
-    return _CrossEntropyFromStats.apply(local, labels, lse, target, vocab_start, real, kernels, overwrite)
+    return _CrossEntropyFromStats.apply(local, labels, lse, target, vocab_start, real, kernels, overwritten)
 
 
 def _fused_by_compiler(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -212,22 +217,29 @@ def _combine_vocab_shards(
 class _CrossEntropyFromStats(torch.autograd.Function):
     """mean(lse - target) whose backward rebuilds softmax from the saved logits and the
     per-token lse, writing d loss / d logits in the logits' dtype: into the logits themselves
-    when `overwrite`, else into a new buffer."""
+    when `overwritten` (the logits, a DTensor under loss parallel, whose `local` it is), else
+    into a new buffer."""
 
     @staticmethod
-    def forward(ctx, local, labels, lse, target, vocab_start: int, real: int, kernels, overwrite: bool):
+    def forward(ctx, local, labels, lse, target, vocab_start: int, real: int, kernels, overwritten):
         ctx.save_for_backward(local, labels, lse)
-        ctx.vocab_start, ctx.real, ctx.kernels, ctx.overwrite = vocab_start, real, kernels, overwrite
+        ctx.vocab_start, ctx.real, ctx.kernels = vocab_start, real, kernels
+        # A weak reference: the logits' storage is saved above; this only names whose version to bump.
+        ctx.overwritten = None if overwritten is None else weakref.ref(overwritten)
         return (lse - target).mean()
 
     @staticmethod
     def backward(ctx, grad_loss):
         local, labels, lse = ctx.saved_tensors
-        grad = local if ctx.overwrite else local.clone()
+        grad = local if ctx.overwritten is not None else local.clone()
         if ctx.real == 0:
             grad.zero_()
         else:
             ctx.kernels.gradient_(grad, labels, lse, grad_loss / local.shape[0], ctx.vocab_start, ctx.real)
+        overwritten = ctx.overwritten() if ctx.overwritten is not None else None
+        if overwritten is not None and overwritten is not local:
+            # Writing into a DTensor's local shard does not advance the DTensor's own counter.
+            torch.autograd.graph.increment_version(overwritten)
         return grad, None, None, None, None, None, None, None
 
 

@@ -256,7 +256,7 @@ class ActivationBytes:
 
 def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: int, loss_parallel: bool,
                compiled: bool, fused_head: bool = False, head_in_features: int = 0,
-               in_model_graph: bool = False) -> tuple[int, int, int]:
+               in_model_graph: bool = False, overwrites: bool = True) -> tuple[int, int, int]:
     """(forward peak, saved for backward, backward peak) of the logits and parallel/loss.py's
     cross-entropy, besides the head's input.
 
@@ -267,7 +267,9 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     the compute dtype, which backward scales in place. No [tokens, vocab] tensor at all.
 
     Separate (`cross_entropy_loss`): the logits (compute dtype) are saved with one fp32
-    log-sum-exp per token, and backward writes their gradient over them. Forward also holds
+    log-sum-exp per token, and backward writes their gradient over them (`overwrites`: the
+    trainer's loss on a head's own output; else, e.g. on the local view of replicated logits
+    under tensor parallel without loss parallel, into a new tensor). Forward also holds
     the label logits, and, eagerly, one fp32 chunk of at most CHUNK_ELEMENTS (backward too);
     compiled passes hold nothing more. Traced in one graph with the model (whole-model
     compile), inductor saves the logits and backward adds their gradient as a new tensor.
@@ -285,7 +287,7 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
         return logits, logits, 2 * logits
     chunk = 0 if compiled else 4 * min(tokens * columns, CHUNK_ELEMENTS)
     saved = logits + 4 * tokens
-    return saved + 4 * tokens + chunk, saved, saved + chunk
+    return saved + 4 * tokens + chunk, saved, saved + chunk + (0 if overwrites else logits)
 
 
 def head_gradient_bytes(tokens: int, columns: int, in_features: int, *, compute_bytes: int, weight: bool) -> int:
@@ -350,6 +352,9 @@ def estimate_memory(
         tokens, act.logits_columns, real_columns, compute_bytes=a, loss_parallel=act_inputs.loss_parallel,
         compiled=compiled_loss, fused_head=fused_head, head_in_features=act.head_in_features,
         in_model_graph=loss_in_model_graph,
+        # parallel/loss.py overwrites only an op's own output: under tp without loss parallel the
+        # loss gets the local view of the replicated logits.
+        overwrites=act_inputs.tp == 1 or act_inputs.loss_parallel,
     )
     gathered_units = [u for u in units if u.gathered]
     largest = max((u.gathered for u in gathered_units), default=0)
@@ -374,8 +379,10 @@ def estimate_memory(
     after_forward = {**running, "activations": activations - freed}
     # Under data parallel the head weight's gradient is the unit gradient below; a fused head
     # made both gradients in forward.
+    # The head is vocab-sharded under tp; without loss parallel its logits are all vocab columns.
+    head_rows = act.logits_columns if act_inputs.loss_parallel else act.logits_columns // act_inputs.tp
     head_grads = 0 if fused_head else head_gradient_bytes(
-        tokens, act.logits_columns, act.head_in_features, compute_bytes=a, weight=not head.gathered)
+        tokens, head_rows, act.head_in_features, compute_bytes=a, weight=not head.gathered)
     phases = [
         Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
         Phase("backward: the loss", {**after_forward, "logits + loss": loss_bwd, "gathered parameters": kept}),

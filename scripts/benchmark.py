@@ -282,7 +282,7 @@ def run_comparison(args: argparse.Namespace, variants: list[Variant], shared: li
         summary = summarize(weft, args.skip)
         anchor = None
         if args.torchtitan_wheels and variant.anchor and preset is not None:
-            if variant.anchor not in anchors:
+            if not anchors.get(variant.anchor, {}).get("ok"):  # a failed run is tried again for the next row
                 anchors[variant.anchor] = run_anchor(variant.anchor, args.anchor_dir, args.torchtitan_wheels,
                                                      preset, args.out, args.profile)
             anchor = anchors[variant.anchor]

@@ -159,7 +159,7 @@ def test_per_block_layout_checkpoints_each_block_as_it_says(layout, kinds):
 @pytest.mark.parametrize("layout, needle", [("op:4", "lays out 4 blocks; the model has 3"),
                                             ("op:2", "lays out 2 blocks; the model has 3"),
                                             ("op 3", "must be kind:count"), ("some:3", "must be kind:count"),
-                                            ("op:-1,op:4", "must be kind:count")])
+                                            ("op:-1,op:4", "must be kind:count"), ("op:\u00b2", "must be kind:count")])
 def test_per_block_layout_that_does_not_fit_the_model_raises(layout, needle):
     model, _ = _make(3)
     with pytest.raises(ValueError, match=needle):

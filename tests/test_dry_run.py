@@ -183,3 +183,13 @@ def test_dry_run_names_the_per_block_layout_that_fits(gib, kinds):
     assert built.memory.peak.total == fitting.peak.total <= 0.9 * gib * 2**30
     assert plan(load_config([*argv, *as_layout, _bumped(layout)]), 1).memory.peak.total > 0.9 * gib * 2**30
     assert plan(load_config([*argv, "--activation_checkpoint.mode", "none"]), 1).fitting_layout[0] == layout
+
+
+def test_dry_run_says_when_no_layout_fits():
+    """3B at local batch 2 on one 30 GiB GPU: parameters and AdamW state alone need 40 GiB."""
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--comm.dry_run_gpu_memory_gib", "30"]
+    p = plan(load_config(argv), 1)
+    assert p.fitting_layout is None
+    text = format_plan(p)
+    assert "DOES NOT FIT in 30 GiB" in text and "not even full activation checkpointing on every block fits" in text

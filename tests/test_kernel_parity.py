@@ -133,7 +133,7 @@ def test_loss_matches_whole_fp32_cross_entropy(monkeypatch, fresh_dynamo, num_cl
     passes = LOSS_KERNELS[kernels]()
     made = (lambda x: x * 1) if logits_from == "an op" else (lambda x: x)
     _check_both_dtypes(
-        lambda x: cross_entropy_loss(made(x), labels, num_classes, passes),
+        lambda x: cross_entropy_loss(made(x), labels, num_classes, passes, overwrite_logits=True),
         lambda x: ref.cross_entropy_loss(x, labels, num_classes),
         [logits],
         f"loss classes={num_classes} {kernels} {logits_from}",
@@ -142,9 +142,10 @@ def test_loss_matches_whole_fp32_cross_entropy(monkeypatch, fresh_dynamo, num_cl
 
 @pytest.mark.parametrize("kernels", LOSS_KERNELS)
 def test_loss_backward_writes_the_gradient_over_the_logits(fresh_dynamo, kernels):
-    """The head's backward gets d loss / d logits in the logits' own storage, so the loss's
-    backward holds one [tokens, vocab] buffer, not two; a leaf's values, or those behind a
-    view, stay as they were."""
+    """With overwrite_logits, the head's backward gets d loss / d logits in the logits' own
+    storage, so the loss's backward holds one [tokens, vocab] buffer, not two; a leaf's values,
+    or those behind a view, stay as they were, and so do any logits without the flag. Another
+    node that saved the logits fails autograd's version check rather than read a gradient."""
     g = torch.Generator().manual_seed(10)
     hidden = torch.randn(2, 24, 16, generator=g).bfloat16().requires_grad_()
     weight = torch.randn(96, 16, generator=g).bfloat16().requires_grad_()
@@ -155,16 +156,26 @@ def test_loss_backward_writes_the_gradient_over_the_logits(fresh_dynamo, kernels
     ref.cross_entropy_loss(reference, labels, 90).backward()
     storages = []
     logits.register_hook(lambda grad: storages.append(grad.untyped_storage().data_ptr()))
-    cross_entropy_loss(logits, labels, 90, passes).backward()
+    cross_entropy_loss(logits, labels, 90, passes, overwrite_logits=True).backward()
     assert storages == [logits.untyped_storage().data_ptr()]
     _close_bf16(logits.detach(), reference.grad, f"{kernels}: the logits' storage holds their gradient")
 
     leaf = (hidden @ weight.t()).detach().requires_grad_()
     before = leaf.detach().clone()
     for kept in (leaf, leaf.view(2, 24, 96)):  # the leaf, and a view of it (which has a grad_fn)
-        cross_entropy_loss(kept, labels, 90, passes).backward()
+        cross_entropy_loss(kept, labels, 90, passes, overwrite_logits=True).backward()
         assert torch.equal(leaf.detach(), before)
         assert leaf.grad.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+
+    logits = hidden @ weight.t()
+    before = logits.detach().clone()
+    cross_entropy_loss(logits, labels, 90, passes).backward()  # not asked to: values kept
+    assert torch.equal(logits.detach(), before)
+
+    logits = hidden @ weight.t()
+    also_read = logits.square().sum()  # saves the logits for its own backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (cross_entropy_loss(logits, labels, 90, passes, overwrite_logits=True) + also_read).backward()
 
 
 def test_compiled_gradient_pass_allocates_nothing(fresh_dynamo):
@@ -292,11 +303,20 @@ def _distributed_checks(rank: int, world_size: int) -> None:
         expected.backward()
         sharded = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
         with loss_parallel():
-            loss = cross_entropy_loss(sharded * 1 if made == "an op" else sharded, labels, num_classes, kernels)
+            loss = cross_entropy_loss(sharded * 1 if made == "an op" else sharded, labels, num_classes, kernels,
+                                      overwrite_logits=True)
             loss.backward()
         assert not isinstance(loss, DTensor)
         _close_fp32(loss.detach(), expected.detach(), what)
         _close_fp32(sharded.grad.full_tensor(), reference.grad, f"{what}: grad")
+
+    # Overwriting a DTensor's local shard bumps the DTensor's version too: another node that
+    # saved the sharded logits fails the version check instead of reading their gradient.
+    logits = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_() * 1
+    also_read = (logits * logits).sum().full_tensor()
+    with loss_parallel(), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss = cross_entropy_loss(logits, labels, num_classes, loss_module.EAGER_KERNELS, overwrite_logits=True)
+        torch.autograd.backward([loss, also_read])
 
     sharded_param = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]))
     replicated_param = torch.nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))

@@ -46,19 +46,25 @@ def test_eager_separate_loss_holds_what_the_count_says(monkeypatch):
     tokens, columns, real = 512, 1000, 990
     for module in (loss_module, memory):
         monkeypatch.setattr(module, "CHUNK_ELEMENTS", 64 * columns)
-    forward, saved, backward = (n - tokens * columns * 2 for n in memory.loss_bytes(
-        tokens, columns, real, compute_bytes=2, loss_parallel=False, compiled=False))
     x = torch.randn(1, tokens, columns).bfloat16().requires_grad_()
     labels = torch.randint(0, real, (1, tokens))
-    logits = x * 1
-    out = {}
-    measured_forward = memory.peak_new_bytes(lambda: out.update(loss=loss_module.cross_entropy_loss(logits, labels, real)))
-    measured_saved = memory.retained_bytes(lambda: loss_module.cross_entropy_loss(logits, labels, real), exclude=[logits])
-    measured_backward = memory.peak_new_bytes(lambda: torch.autograd.grad(out["loss"], logits))
-    for name, measured, counted in (("forward", measured_forward, forward), ("saved", measured_saved, saved),
-                                    ("backward", measured_backward, backward)):
-        assert abs(measured - counted) <= 16 * tokens, (name, measured, counted)
-    assert backward > 0 and measured_backward < tokens * columns * 2  # a chunk, not a second [tokens, vocab]
+    for overwrites in (True, False):
+        forward, saved, backward = (n - tokens * columns * 2 for n in memory.loss_bytes(
+            tokens, columns, real, compute_bytes=2, loss_parallel=False, compiled=False, overwrites=overwrites))
+        logits = x * 1
+
+        def loss():
+            return loss_module.cross_entropy_loss(logits, labels, real, overwrite_logits=overwrites)
+
+        out = {}
+        measured_forward = memory.peak_new_bytes(lambda: out.update(loss=loss()))
+        measured_saved = memory.retained_bytes(loss, exclude=[logits])
+        measured_backward = memory.peak_new_bytes(lambda: torch.autograd.grad(out["loss"], logits))
+        for name, measured, counted in (("forward", measured_forward, forward), ("saved", measured_saved, saved),
+                                        ("backward", measured_backward, backward)):
+            assert abs(measured - counted) <= 16 * tokens, (overwrites, name, measured, counted)
+        # overwriting: a chunk, not a second [tokens, vocab]
+        assert backward > 0 and (measured_backward < tokens * columns * 2) == overwrites
 
 
 def test_head_backward_makes_what_the_count_says():

@@ -261,6 +261,9 @@ def format_plan(p: DryRunPlan) -> str:
         layout, fitting = p.fitting_layout
         lines.append(f"  the most activations that fit: activation_checkpoint.mode = 'per_block', per_block = '{layout}' "
                      f"(peak {_gib(fitting.peak.total)}; the more saved, the less backward recomputes)")
+    elif c.dry_run_gpu_memory_gib:
+        lines.append(f"  not even full activation checkpointing on every block fits in {FITS:.0%} of it: "
+                     "shard more (data_parallel_shard_degree, tensor_parallel_degree) or lower the local batch")
     over_shard, over_replicate = _dp_traffic(p)
     lines += ["", f"data-parallel traffic per rank per step: {_gib(over_shard)} over dp_shard (all-gathers, "
                   f"reduce-scatter), {_gib(over_replicate)} over dp_replicate (all-reduce)"]

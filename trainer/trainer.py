@@ -101,7 +101,7 @@ class Trainer:
                                                dataset_path=cfg.validation.dataset_path or None)
         n_words = run.tokenizer.n_words
         kernels = cross_entropy_kernels(cfg.compile)
-        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words, kernels)
+        self.loss_fn = lambda logits, labels: cross_entropy_loss(logits, labels, n_words, kernels, overwrite_logits=True)
         # model + loss: one compiled graph under whole-model compile (the loss is looked up on
         # self at each call, so it can be swapped, e.g. by tests). A fused head computes the
         # loss itself: model(inputs, labels).
