@@ -182,24 +182,30 @@ def unit_bytes(
         if not params and unit is model:
             continue
         gathered = [p for p in params if _is_dp_sharded(p)]
-        cast = [p for p in params if not _is_dp_sharded(p) and p.dtype != compute_dtype and id(p) in copies_kept]
         full = sum(local_numel(p) * _dp_shards(p) for p in gathered)
         out.append(UnitBytes(
             name="root" if unit is model else _unit_name(model, modules, index),
             gathered=full * compute_dtype.itemsize,
             reduce_buffer=full * reduce_dtype.itemsize,
-            compute_copies=sum(local_numel(p) for p in cast) * compute_dtype.itemsize,
+            compute_copies=_kept_copy_bytes(params, copies_kept, compute_dtype),
         ))
     return out
+
+
+def _kept_copy_bytes(params: Sequence[nn.Parameter], kept: set[int], compute_dtype: torch.dtype) -> int:
+    """Bytes of the cast-at-use copies of `params` that autograd keeps (ids in `kept`): only
+    parameters not dp-sharded (a gathered one is counted as gathered) and not already in the
+    compute dtype have one."""
+    return sum(local_numel(p) for p in params
+               if id(p) in kept and not _is_dp_sharded(p) and p.dtype != compute_dtype) * compute_dtype.itemsize
 
 
 def cast_copy_bytes(module: nn.Module, compute_dtype: torch.dtype) -> int:
     """Bytes of the cast-at-use copies autograd would keep for `module`'s parameters if it
     were not activation-checkpointed: what a block of kind "none" adds to `unit_bytes`'s
     `compute_copies`, for the dry run to weigh layouts other than the one it built."""
-    kept = _cast_copies_kept(module, through_checkpoints=True)
-    return sum(local_numel(p) for p in module.parameters()
-               if id(p) in kept and not _is_dp_sharded(p) and p.dtype != compute_dtype) * compute_dtype.itemsize
+    return _kept_copy_bytes(list(module.parameters()), _cast_copies_kept(module, through_checkpoints=True),
+                            compute_dtype)
 
 
 def _cast_copies_kept(model: nn.Module, through_checkpoints: bool = False) -> set[int]:
@@ -374,13 +380,13 @@ def estimate_memory(
     grad_logits = 0 if fused_head else tokens * act.logits_columns * a
     # A fused head keeps its two gradients (counted in the loss's saved bytes) instead of its
     # input and its cast weight, which are alive in its forward only.
-    head_weight_copy = min(head.compute_copies, act.logits_columns * act.head_in_features * a)
+    # The head is vocab-sharded under tp; without loss parallel its logits are all vocab columns.
+    head_rows = act.logits_columns if act_inputs.loss_parallel else act.logits_columns // act_inputs.tp
+    head_weight_copy = min(head.compute_copies, head_rows * act.head_in_features * a)
     freed = tokens * act.head_in_features * a + head_weight_copy if fused_head else 0
     after_forward = {**running, "activations": activations - freed}
     # Under data parallel the head weight's gradient is the unit gradient below; a fused head
     # made both gradients in forward.
-    # The head is vocab-sharded under tp; without loss parallel its logits are all vocab columns.
-    head_rows = act.logits_columns if act_inputs.loss_parallel else act.logits_columns // act_inputs.tp
     head_grads = 0 if fused_head else head_gradient_bytes(
         tokens, head_rows, act.head_in_features, compute_bytes=a, weight=not head.gathered)
     phases = [
