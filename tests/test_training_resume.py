@@ -28,6 +28,7 @@ RESUME = BASE + [
 GRAPH = ["--parallelism.data_parallel_engine", "graph"]
 FULLY_SHARD = ["--parallelism.data_parallel_engine", "fully_shard"]
 COMPILED = ["--compile.enable", "--compile.backend", "aot_eager", "--compile.strategy", "model", *GRAPH]
+OVERLAP = ["--optimizer.overlap_step", "on"]  # trainer/overlapped_step.py, run in place on a CPU
 
 
 def losses(records):
@@ -42,8 +43,10 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
     Engines: the graph engine's 2x2 checkpoint resumes under fully_shard on 4x1, and a
     fully_shard 2x2 checkpoint under the graph engine on 4x1. dp = 1: the 2x2 checkpoint
     resumes on 1x4 and 1x1 (no data-parallel wrapper; on 1x1 with global_batch_size -1, which takes
-    the checkpoint's global batch), and a 1x4 checkpoint resumes on 2x2. Every resumed step trains
-    on the straight run's global batch (a hash of its rows)."""
+    the checkpoint's global batch), and a 1x4 checkpoint resumes on 2x2. The dp = 1 runs step
+    unit by unit (optimizer.overlap_step), so a save right after such a step, and steps after a
+    resume, are checked too. Every resumed step trains on the straight run's global batch (a
+    hash of its rows)."""
     base = RESUME + ["--training.dataset_path", corpus]
 
     def run(steps, tp, folder, *extra):
@@ -54,15 +57,15 @@ def test_exact_resume_and_reshard(tmp_path, corpus):
     saved = {  # folder the first half saves into -> how it is trained
         "graph_2x2": run(CUT, 2, "graph_2x2", *COMPILED),
         "fully_shard_2x2": run(CUT, 2, "fully_shard_2x2", *FULLY_SHARD),
-        "dp1_1x4": run(CUT, 4, "dp1_1x4"),
+        "dp1_1x4": run(CUT, 4, "dp1_1x4", *OVERLAP),
     }
     resumes = {  # name -> (checkpoint it starts from, mesh tp degree, overrides)
         "2x2 graph, exact": ("graph_2x2", 2, COMPILED),
         "4x1 fully_shard from graph": ("graph_2x2", 1, FULLY_SHARD),
         "4x1 graph from fully_shard": ("fully_shard_2x2", 1, COMPILED),
-        "1x4 dp=1 from graph": ("graph_2x2", 4, ()),
+        "1x4 dp=1 from graph": ("graph_2x2", 4, OVERLAP),
         "2x2 from dp=1": ("dp1_1x4", 2, FULLY_SHARD),
-        "1x1 dp=1 from graph": ("graph_2x2", 1, ()),
+        "1x1 dp=1 from graph": ("graph_2x2", 1, OVERLAP),
     }
     # Each resume loads step CUT of the folder it starts from, and its own last save (step END)
     # lands there too: so the 4-process resumes train in the launch that writes their checkpoints

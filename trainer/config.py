@@ -61,6 +61,7 @@ class Optimizer:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay
     implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for-loop
+    overlap_step: str = "auto"  # step each unit on a side stream during the next forward (dp = 1); auto = on where it applies on a GPU | on | off
 
 
 @dataclass
@@ -212,6 +213,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "job.log_level": ("debug", "info", "warning"),
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "optimizer.overlap_step": ("auto", "on", "off"),
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
     "training.mixed_precision_param": ("auto", "float32", "bfloat16"),  # fp16 would need loss scaling
     "training.mixed_precision_reduce": ("float32", "bfloat16"),

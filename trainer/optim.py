@@ -11,6 +11,7 @@ from torch import nn
 from parallel.compact_gradients import CompactGradients
 from parallel.grad_clip import clip_grads_, global_norm
 from trainer.config import LRScheduler, Optimizer
+from trainer.overlapped_step import OverlappedStep
 
 
 def optimizer_implementation(cfg: Optimizer, device_type: str) -> str:
@@ -41,6 +42,7 @@ def clip_and_step(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     compact: CompactGradients | None = None,
+    overlapped: OverlappedStep | None = None,
 ) -> torch.Tensor:
     """Clip the gradients to `max_norm` by their global norm, step, and return the norm before clipping.
 
@@ -57,6 +59,9 @@ def clip_and_step(
     norm is taken over what is held, and the step runs once per group of parameters whose
     gradients it widens back to fp32: AdamW's update is elementwise, so stepping in groups
     changes no bit, and only one group's fp32 gradients exist at a time.
+
+    With `overlapped` (trainer/overlapped_step.py) the step is launched unit by unit and
+    finishes during the next forward; the clip factor is computed here, before any unit steps.
     """
     loose = [p for p in parameters if p.grad is not None]
     norm = global_norm([p.grad for p in loose] + (compact.gradients() if compact is not None else []))
@@ -67,7 +72,10 @@ def clip_and_step(
         for group in compact.materialized(loose) if compact is not None else [loose]:
             if max_norm > 0 and not fold_clip:
                 clip_grads_(group, max_norm, norm)
-            optimizer.step()
+            if overlapped is not None:
+                overlapped.step()
+            else:
+                optimizer.step()
     finally:
         if fold_clip:
             del optimizer.grad_scale

@@ -55,6 +55,7 @@ class ResolvedRun:
     loss_parallel: bool
     fused_head_loss: bool  # the loss runs inside the head, chunk by chunk (training.head_loss resolved)
     compact_gradients: bool  # training.compact_gradients resolved: one GPU, bf16 compute, one micro-batch per step
+    overlap_step: bool  # optimizer.overlap_step resolved: each unit steps during the next forward (trainer/overlapped_step.py)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
@@ -106,6 +107,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
             "yet; with data_parallel_replicate_degree > 1 use data_parallel_engine = 'fully_shard' "
             "(or 'auto' with compile.strategy = 'blocks')."
         )
+    compact = _compact_gradients(cfg, dims, DTYPES[param], global_batch)
     return ResolvedRun(
         cfg=cfg,
         spec=spec,
@@ -116,7 +118,8 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         sequence_parallel=dims.tp > 1 and p.enable_sequence_parallel,
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         fused_head_loss=head_loss == "fused",
-        compact_gradients=_compact_gradients(cfg, dims, DTYPES[param], global_batch),
+        compact_gradients=compact,
+        overlap_step=_overlap_step(cfg, dims, compact),
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
         data_parallel_engine=engine,
@@ -146,6 +149,30 @@ def _compact_gradients(cfg: JobConfig, dims: ParallelDims, param_dtype: torch.dt
             "they would sum in it. Set training.compact_gradients = false, or global_batch_size = local_batch_size."
         )
     return True
+
+
+def _overlap_step(cfg: JobConfig, dims: ParallelDims, compact_gradients: bool) -> bool:
+    """optimizer.overlap_step resolved. It applies without a data-parallel wrapper (dp = 1),
+    whose hooks would gather parameters before the step is waited for, without whole-model
+    compile, whose graph the per-unit wait would break, and without compact gradients, whose
+    step widens gradients group by group. "auto" turns it on where it applies on a GPU (on a
+    CPU there is nothing to overlap with); "on" where it does not is an error."""
+    setting = cfg.optimizer.overlap_step
+    if setting == "off":
+        return False
+    c = cfg.compile
+    blockers = [
+        (dims.dp > 1, f"data parallel degree {dims.dp} > 1 (it needs dp = 1)"),
+        (c.enable and c.strategy == "model" and "model" in c.components, "compile.strategy = 'model'"),
+        (compact_gradients, "training.compact_gradients = true"),
+    ]
+    reasons = [reason for blocked, reason in blockers if blocked]
+    if setting == "on" and reasons:
+        raise ConfigError(
+            f"optimizer.overlap_step = 'on' does not work with {' and '.join(reasons)}; "
+            "set optimizer.overlap_step = 'auto' or 'off'."
+        )
+    return not reasons and (setting == "on" or target_device_type(cfg) == "cuda")
 
 
 def _model_spec(cfg: JobConfig) -> ModelSpec:

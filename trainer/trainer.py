@@ -36,6 +36,7 @@ from trainer.export import export_hf
 from trainer.initial_load import load_hf_weights
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from trainer.overlapped_step import OverlappedStep
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import maybe_memory_snapshot, maybe_profile
 from trainer.run import ResolvedRun
@@ -83,13 +84,17 @@ class Trainer:
             f"{run.dims.dp_replicate} x dp_shard={run.dims.dp_shard} x tp={run.dims.tp}, sequence_parallel={run.sequence_parallel}, loss_parallel={run.loss_parallel}, "
             f"param dtype {run.param_dtype}, global batch {run.global_batch_size} "
             f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank), data parallel: "
-            f"{describe_data_parallel(run.data_parallel_engine, cfg.parallelism.data_parallel_engine, run.dims.dp)}"
+            f"{describe_data_parallel(run.data_parallel_engine, cfg.parallelism.data_parallel_engine, run.dims.dp)}, "
+            f"optimizer step: {'unit by unit, overlapped with the next forward' if run.overlap_step else 'after backward'}"
         )
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device)
         self.compact_gradients = None
         if run.compact_gradients:
             self.compact_gradients = compact_gradients(self.model, run.param_dtype)
+        self.overlapped_step = None
+        if run.overlap_step:
+            self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
                            dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)
@@ -135,13 +140,21 @@ class Trainer:
                 set_gradient_sync(self.model, reduce_scatter=last or not self.defer_reduce_scatter, all_reduce=last)
             with self._loss_context():
                 loss = self.forward_loss(inputs, labels) / accum
+                self._finish_step()  # the forward settled every unit it ran; this catches any other
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_and_step(self.optimizer, self.model.parameters(), self.cfg.training.max_norm,
-                                  self.compact_gradients)
+                                  self.compact_gradients, self.overlapped_step)
         self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.overlapped_step is None:  # else each unit's next forward releases its gradients
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _finish_step(self) -> None:
+        """Wait for an overlapped optimizer step still running: before anything but the next
+        forward reads parameters, optimizer state or gradients."""
+        if self.overlapped_step is not None:
+            self.overlapped_step.finish()
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().clone()
@@ -239,6 +252,7 @@ class Trainer:
                 stop = self.preemption.should_stop(self.step) and not last
                 if stop or self.checkpointer.wants_save(self.step, last=last):
                     self._raise_if_nonfinite()
+                    self._finish_step()
                 if stop and cfg.checkpoint.enable:
                     self.checkpointer.save(self.step)  # full state, even with model_only_final
                 else:
@@ -248,6 +262,7 @@ class Trainer:
                 if stop:
                     logger.info(f"preemption: stopped after step {self.step}" + (", checkpoint saved" if cfg.checkpoint.enable else ""))
                     break
+        self._finish_step()
         self.checkpointer.wait()
         if cfg.checkpoint.export_hf and self.step == cfg.training.steps:
             out = os.path.join(self.run.paths.checkpoint, "hf")
