@@ -63,6 +63,7 @@ class OverlappedStep:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events = [torch.cuda.Event() if self._stream is not None else None for _ in unit_modules]
         self._pending = [False] * len(unit_modules)
+        self._on_side_stream = False  # whether the pending steps run on the side stream
         self._in_flight: list[torch.Tensor] = []  # small tensors the side stream reads (the clip factor)
         for index, modules in enumerate(unit_modules):
             hook = self._forward_pre_hook(index)
@@ -100,7 +101,10 @@ class OverlappedStep:
         grad_scale = getattr(self.optimizer, "grad_scale", None)
         if grad_scale is not None:
             self._in_flight.append(grad_scale)
-        stream = self._stream
+        # The first step creates AdamW's state (2 fp32 copies of every parameter). Created on
+        # the side stream, it would take new memory in that stream's pool while the memory the
+        # first backward freed stays reserved, unused, in the main stream's; so it steps there.
+        stream = self._stream if self.optimizer.state else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -110,13 +114,14 @@ class OverlappedStep:
                 if stream is not None:
                     self._events[index].record(stream)
                 self._pending[index] = True
+        self._on_side_stream = stream is not None
 
     def _settle(self, index: int) -> None:
         """Make the current stream wait for unit `index`'s step, then release its gradients."""
         if not self._pending[index]:
             return
         self._pending[index] = False
-        if self._stream is not None:
+        if self._on_side_stream:
             torch.cuda.current_stream(self._stream.device).wait_event(self._events[index])
         for params in self._group_params[index]:
             for p in params:
