@@ -121,9 +121,12 @@ def named_variant(name: str, preset: Preset | None) -> Variant:
 
 
 def free_form_variant(spec: str) -> Variant:
+    """`NAME[@ANCHOR]:--key,value,--flag,...`: a comma starts a new argument only before `--`,
+    so a value may hold commas (`--activation_checkpoint.per_block,op_all:16,op:12`)."""
     head, _, overrides = spec.partition(":")
     name, _, anchor = head.partition("@")
-    return Variant(name, [o for o in overrides.split(",") if o], anchor or None)
+    args = [a for option in re.split(r",(?=--)", overrides) if option for a in option.split(",", 1)]
+    return Variant(name, args, anchor or None)
 
 
 def free_port() -> int:
@@ -336,7 +339,7 @@ def main() -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="model size: config, local batch, anchor flavor")
     parser.add_argument("--variants", help="comma-separated named variants (default: the preset's)")
     parser.add_argument("--variant", action="append", default=[],
-                        help="free-form NAME[@ANCHOR_VARIANT]:comma,separated,overrides")
+                        help="free-form NAME[@ANCHOR_VARIANT]:--key,value,--key,value (a value may hold commas)")
     parser.add_argument("--torchtitan-wheels", help="the anchor's wheel folder; runs torchtitan beside weft")
     parser.add_argument("--anchor-dir", default=os.path.join(ROOT, ".anchor", "torchtitan"),
                         help="copy of the torchtitan anchor (run.sh, launch.py, tokenizer/)")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.dist_utils import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from benchmark import _ANCHOR_LINE, PRESETS, comparison_table, named_variant, run_anchor  # noqa: E402
+from benchmark import _ANCHOR_LINE, PRESETS, comparison_table, free_form_variant, named_variant, run_anchor  # noqa: E402
 from trace_summary import CATEGORIES, classify, format_breakdown, summarize  # noqa: E402
 
 # Kernel names as torch 2.11 on an H200 spells them (issue 10's profile) or close to it.
@@ -127,3 +127,12 @@ def test_layout_variants_lay_out_every_block_of_the_preset_model():
             assert variant.anchor == anchor
         every = named_variant(f"opall{n_blocks}", preset)
         assert every.overrides[-1] == f"op_all:{n_blocks}"
+
+
+def test_free_form_variant_values_may_hold_commas():
+    variant = free_form_variant("lay@sac:--compile.enable,true,--activation_checkpoint.per_block,op_all:16,op:12,"
+                                "--training.local_batch_size,-1,--metrics.no-enable_tensorboard")
+    assert (variant.name, variant.anchor) == ("lay", "sac")
+    assert variant.overrides == ["--compile.enable", "true", "--activation_checkpoint.per_block", "op_all:16,op:12",
+                                 "--training.local_batch_size", "-1", "--metrics.no-enable_tensorboard"]
+    assert free_form_variant("plain:").overrides == []
