@@ -17,6 +17,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
 
 
+def unit_modules(unit: FSDPUnit) -> list[nn.Module]:
+    """The modules of a unit given as one module or as a group of them."""
+    return list(unit) if isinstance(unit, (list, tuple)) else [unit]
+
+
 RESHARD_POLICIES = ("default", "always", "never")
 
 

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from parallel import torch_internals
 from parallel.activation_checkpoint import recompute_collectives_on
+from parallel.fsdp import unit_modules
 from parallel.parameter_views import ParameterView, install_parameter_views, modules_with_parameters
 from parallel.torch_internals import ALL_GATHER, REDUCE_SCATTER, _StridedShard
 
@@ -110,7 +111,7 @@ def _unit_index(model: nn.Module, units: Sequence[Unit]) -> dict[nn.Module, int]
     """Module -> index of the unit that holds it; modules outside every unit form one last unit."""
     index: dict[nn.Module, int] = {}
     for i, unit in enumerate(units):
-        for top in (unit if isinstance(unit, (list, tuple)) else [unit]):
+        for top in unit_modules(unit):
             for module in top.modules():
                 index.setdefault(module, i)
     for module in model.modules():

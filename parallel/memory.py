@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.activation_checkpoint import is_checkpointed
 from parallel.compact_gradients import step_groups
+from parallel.fsdp import unit_modules
 from parallel.loss import CHUNK_ELEMENTS
 from parallel.tensor_parallel import VocabParallelEmbedding
 
@@ -176,7 +177,7 @@ def unit_bytes(
     copies_kept = _cast_copies_kept(model)
     out = []
     for index, unit in enumerate([*units, model]):
-        modules = list(unit) if isinstance(unit, (list, tuple)) else [unit]
+        modules = unit_modules(unit)
         params = [p for m in modules for p in m.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
         if not params and unit is model:

@@ -30,11 +30,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-Unit = nn.Module | Sequence[nn.Module]
-
-
-def _modules(unit: Unit) -> list[nn.Module]:
-    return list(unit) if isinstance(unit, (list, tuple)) else [unit]
+from parallel.fsdp import FSDPUnit, unit_modules
 
 
 class OverlappedStep:
@@ -47,25 +43,25 @@ class OverlappedStep:
     or the gradients: a checkpoint save, an export, the next backward.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[Unit], device: torch.device) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[FSDPUnit], device: torch.device) -> None:
         self.optimizer = optimizer
-        unit_modules = [_modules(unit) for unit in units]
+        modules_of_units = [unit_modules(unit) for unit in units]
         owner: dict[int, int] = {}
-        for index, modules in enumerate(unit_modules):
+        for index, modules in enumerate(modules_of_units):
             for module in modules:
                 for p in module.parameters():
                     owner.setdefault(id(p), index)
         # Per unit, per optimizer param group: the group's parameters that belong to the unit.
         self._group_params = [
             [[p for p in group["params"] if owner.get(id(p), 0) == index] for group in optimizer.param_groups]
-            for index in range(len(unit_modules))
+            for index in range(len(modules_of_units))
         ]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._events = [torch.cuda.Event() if self._stream is not None else None for _ in unit_modules]
-        self._pending = [False] * len(unit_modules)
+        self._events = [torch.cuda.Event() if self._stream is not None else None for _ in modules_of_units]
+        self._pending = [False] * len(modules_of_units)
         self._on_side_stream = False  # whether the pending steps run on the side stream
         self._in_flight: list[torch.Tensor] = []  # small tensors the side stream reads (the clip factor)
-        for index, modules in enumerate(unit_modules):
+        for index, modules in enumerate(modules_of_units):
             hook = self._forward_pre_hook(index)
             for module in modules:
                 module.register_forward_pre_hook(hook)
