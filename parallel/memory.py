@@ -268,10 +268,10 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
     cross-entropy, besides the head's input.
 
     Fused into the head (`training.head_loss = "fused"`, parallel/loss.py's
-    `linear_cross_entropy`): forward holds the input's and the weight's gradients (the latter
-    accumulated in fp32, plus one chunk's contribution in the compute dtype) and one chunk of
-    logits and of their gradient, with an fp32 chunk when eager; it saves the two gradients in
-    the compute dtype, which backward scales in place. No [tokens, vocab] tensor at all.
+    `linear_cross_entropy`): forward holds the input's gradient (compute dtype), the weight's
+    (summed in fp32) and one chunk of logits and of their gradient, with an fp32 chunk when
+    eager; it saves the two gradients, which backward scales in place, rounding the weight's
+    to the compute dtype beside its fp32 sum. No [tokens, vocab] tensor at all.
 
     Separate (`cross_entropy_loss`): the logits (compute dtype) are saved with one fp32
     log-sum-exp per token, and backward writes their gradient over them (`overwrites`: the
@@ -288,8 +288,8 @@ def loss_bytes(tokens: int, columns: int, real_columns: int, *, compute_bytes: i
         rows = min(tokens, max(1, CHUNK_ELEMENTS // columns))
         chunk = 2 * rows * columns * compute_bytes + (0 if compiled else 4 * rows * columns)
         weight_grad = columns * head_in_features
-        saved = (tokens * head_in_features + weight_grad) * compute_bytes
-        return saved + weight_grad * 4 + chunk, saved, saved
+        saved = tokens * head_in_features * compute_bytes + weight_grad * 4
+        return saved + chunk, saved, saved + weight_grad * compute_bytes
     if in_model_graph:
         return logits, logits, 2 * logits
     chunk = 0 if compiled else 4 * min(tokens * columns, CHUNK_ELEMENTS)

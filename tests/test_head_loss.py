@@ -74,6 +74,17 @@ def test_bf16_within_two_bf16_epsilons_of_fp32():
         assert (have.float() - want).abs().max().item() <= bound, name
 
 
+def test_bf16_weight_gradient_sums_chunks_in_fp32():
+    """The weight gradient's chunks are summed in fp32 and rounded to bf16 once, as one matmul
+    over all tokens rounds it: 150 one-token chunks give the one-chunk result to within one
+    bf16 rounding of each element (a bf16 partial per chunk would add 150 roundings)."""
+    hidden, weight, labels, num_classes = _inputs(torch.bfloat16)
+    one_chunk = _fused(hidden, weight, labels, num_classes, 1.0, chunk_elements=1000 * weight.shape[0])[2].float()
+    per_token = _fused(hidden, weight, labels, num_classes, 1.0, chunk_elements=weight.shape[0])[2].float()
+    one_rounding = torch.finfo(torch.bfloat16).eps * one_chunk.abs()
+    assert ((per_token - one_chunk).abs() <= one_rounding).all()
+
+
 def test_compiled_chunk_matches_eager():
     logits = torch.randn(40, 96)
     labels = torch.randint(0, 90, (40,))
@@ -127,7 +138,7 @@ def test_fused_head_keeps_exactly_its_two_gradients():
     kept = retained_bytes(lambda: head(hidden, labels), exclude=[hidden, labels, *head.parameters()])
     _, saved, _ = loss_bytes(tokens, vocab, num_classes, compute_bytes=2, loss_parallel=False, compiled=False,
                              fused_head=True, head_in_features=dim)
-    assert kept == saved == (tokens + vocab) * dim * 2
+    assert kept == saved == tokens * dim * 2 + vocab * dim * 4  # the weight's gradient summed in fp32
 
 
 def test_head_keeps_its_linear_behaviour_and_names():
