@@ -58,10 +58,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_classes: int, kernels=None, *,
+                       overwrite_logits: bool = False) -> torch.Tensor:
     """Mean fp32 cross-entropy of the whole logits, padded columns masked to -inf (vocab-sharded
     DTensor logits under `loss_parallel()`). This formula is still what parallel/loss.py runs
-    under torch.compile, so the reference is that function."""
+    under torch.compile, so the reference is that function. Takes the current signature and
+    ignores what the old path did not have (the passes' kernels, writing over the logits)."""
     from parallel.loss import _fused_by_compiler
 
     return _fused_by_compiler(logits, labels, num_classes)

@@ -15,6 +15,7 @@ The old formulas live in tests/reference_paths.py. Tolerances:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 
 import pytest
@@ -333,3 +334,14 @@ def _distributed_checks(rank: int, world_size: int) -> None:
 
 def test_loss_parallel_and_grad_norm_on_two_ranks():
     run_distributed(_distributed_checks, 2)
+
+
+def test_reference_paths_take_every_argument_of_the_paths_they_replace():
+    """`benchmark.py --loss-curve` trains with tests/reference_paths.py's formulas swapped in, so
+    each must accept every argument the trainer and the model pass to the current one."""
+    for owner, name, reference in ref.patches():
+        current = inspect.signature(getattr(owner, name))
+        accepted = inspect.signature(reference).parameters
+        for parameter in current.parameters.values():
+            assert parameter.name in accepted and accepted[parameter.name].kind == parameter.kind, (
+                f"tests/reference_paths.py: {name} lacks {parameter}")
