@@ -17,7 +17,6 @@ inputs, and each path's loss and gradients against the separate path's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -27,25 +26,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import median_ms  # noqa: E402  (scripts/, the running script's folder)
 from models.llama3 import flavor_args, padded_vocab_size  # noqa: E402
 from parallel.loss import chunk_loss_and_grad, compiled_kernels, cross_entropy_loss, linear_cross_entropy  # noqa: E402
 
 N_WORDS = 128_256  # Llama 3's tokenizer
-
-
-def _time(fn: Callable[[], None], steps: int, warmup: int) -> float:
-    """Median ms of `fn` over `steps` calls after `warmup`, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _peak_added_mib(fn: Callable[[], None]) -> float:
@@ -102,7 +87,7 @@ def main() -> None:
             hidden.grad = weight.grad = None
             loss_fn().backward()
 
-        ms = _time(step, args.steps, args.warmup)
+        ms = median_ms(step, args.steps, args.warmup)
         hidden.grad = weight.grad = None
         peak = _peak_added_mib(step)
         rel_h = ((grad_hidden - reference[1]).abs().max() / reference[1].abs().max()).item()

@@ -13,7 +13,6 @@ It prints one table (ms per update, GB/s counted as the bytes each variant must 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import median_ms  # noqa: E402  (scripts/, the running script's folder)
 from models.llama3 import padded_vocab_size, flavor_args, Transformer  # noqa: E402
 from parallel.grad_clip import clip_grad_norm_  # noqa: E402
 from trainer.optim import clip_and_step  # noqa: E402
@@ -40,21 +40,6 @@ def _params(flavor: str, device: torch.device) -> list[torch.nn.Parameter]:
     return params
 
 
-def _time(fn, steps: int, warmup: int) -> float:
-    """Median ms of `fn` over `steps` calls after `warmup`, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="3B")
@@ -71,7 +56,7 @@ def main() -> None:
 
     big = torch.empty(n, device=device)
     other = torch.empty_like(big)
-    copy_ms = _time(lambda: other.copy_(big), args.steps, args.warmup)
+    copy_ms = median_ms(lambda: other.copy_(big), args.steps, args.warmup)
     del big, other
 
     def adamw(lr: float | torch.Tensor = 3e-4, **kw) -> torch.optim.AdamW:
@@ -80,11 +65,11 @@ def main() -> None:
     def norm_only() -> None:
         clip_grad_norm_(params, 0.0)
 
-    rows = [("copy (bandwidth reference)", copy_ms, 8 * n), ("grad norm only", _time(norm_only, args.steps, args.warmup), 4 * n)]
+    rows = [("copy (bandwidth reference)", copy_ms, 8 * n), ("grad norm only", median_ms(norm_only, args.steps, args.warmup), 4 * n)]
 
     foreach = adamw(foreach=True)
     try:
-        rows.append(("foreach AdamW step only", _time(foreach.step, args.steps, args.warmup), 28 * n))
+        rows.append(("foreach AdamW step only", median_ms(foreach.step, args.steps, args.warmup), 28 * n))
     except torch.OutOfMemoryError:  # its per-step temporaries are a copy of the parameters
         rows.append(("foreach AdamW step only (out of memory)", float("nan"), 28 * n))
     del foreach  # one optimizer's state at a time: two do not fit at 8B
@@ -101,9 +86,9 @@ def main() -> None:
         clip_and_step(fused, params, args.max_norm)
 
     rows += [
-        ("fused AdamW step only", _time(fused.step, args.steps, args.warmup), 28 * n),
-        ("norm + clip + fused step (a separate clip pass)", _time(separate_clip, args.steps, args.warmup), 40 * n),
-        ("norm + fused step with the clip folded in (what trains)", _time(folded_clip, args.steps, args.warmup), 36 * n),
+        ("fused AdamW step only", median_ms(fused.step, args.steps, args.warmup), 28 * n),
+        ("norm + clip + fused step (a separate clip pass)", median_ms(separate_clip, args.steps, args.warmup), 40 * n),
+        ("norm + fused step with the clip folded in (what trains)", median_ms(folded_clip, args.steps, args.warmup), 36 * n),
     ]
     del fused
     compiled = adamw(torch.tensor(3e-4, device=device), foreach=True, capturable=True)
@@ -117,7 +102,7 @@ def main() -> None:
     compiled_step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    rows.append((f"compiled norm + clip + step ({compile_s:.0f} s compile)", _time(compiled_step, args.steps, args.warmup), 32 * n))
+    rows.append((f"compiled norm + clip + step ({compile_s:.0f} s compile)", median_ms(compiled_step, args.steps, args.warmup), 32 * n))
 
     print("| variant | ms | GB/s |\n|---|---|---|")
     for name, ms, nbytes in rows:
