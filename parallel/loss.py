@@ -346,10 +346,15 @@ def linear_cross_entropy(
     compiled.
     """
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
-    tokens = hidden.shape[0]
-    chunks = -(-tokens // max(1, chunk_elements // weight.shape[0]))
-    chunk_rows = -(-tokens // chunks)  # as even as the chunks can be: at most two shapes to compile
+    chunk_rows = fused_chunk_rows(hidden.shape[0], weight.shape[0], chunk_elements)
     return _LinearCrossEntropy.apply(hidden, weight, labels, num_classes, chunk_rows, loss_and_grad)
+
+
+def fused_chunk_rows(tokens: int, columns: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Tokens per chunk of `linear_cross_entropy`: the fewest chunks of at most `chunk_elements`
+    logits, made as even as they can be (at most two shapes to compile)."""
+    chunks = -(-tokens // max(1, chunk_elements // columns))
+    return -(-tokens // chunks)
 
 
 class LinearCrossEntropyHead(nn.Linear):

@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_timing import median_ms  # noqa: E402  (scripts/, the running script's folder)
 from models.llama3 import flavor_args, padded_vocab_size  # noqa: E402
-from parallel.loss import chunk_loss_and_grad, compiled_kernels, cross_entropy_loss, linear_cross_entropy  # noqa: E402
+from parallel.loss import (  # noqa: E402
+    chunk_loss_and_grad, compiled_kernels, cross_entropy_loss, fused_chunk_rows, linear_cross_entropy,
+)
 
 N_WORDS = 128_256  # Llama 3's tokenizer
 
@@ -78,7 +80,8 @@ def main() -> None:
 
     reference = results(separate)
     paths = [("separate (head, then loss)", separate)]
-    paths += [(f"fused, chunks of 2^{e} elements ({(1 << e) // vocab} tokens)", fused(1 << e)) for e in map(int, args.chunk_elements.split(","))]
+    paths += [(f"fused, chunks of 2^{e} elements ({fused_chunk_rows(args.tokens, vocab, 1 << e)} tokens)", fused(1 << e))
+              for e in map(int, args.chunk_elements.split(","))]
     print("| path | ms | peak added MiB | loss diff | hidden grad max rel diff | weight grad max rel diff |\n|---|---|---|---|---|---|")
     for name, loss_fn in paths:
         loss, grad_hidden, grad_weight = results(loss_fn)
