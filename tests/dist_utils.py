@@ -19,6 +19,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def multi_rank_env() -> dict[str, str]:
+    """Environment for a test's torchrun launch of several CPU ranks on a 2-core machine.
+
+    One thread each for ops (OMP) and for inductor's compiles (TORCHINDUCTOR_COMPILE_THREADS):
+    with 4 ranks on 2 cores, more threads only contend, and compiling in the rank's own thread
+    keeps inductor's compile pool (a thread pool on CPU, worker subprocesses for Triton) out of
+    processes that also run gloo's threads. (A rank of a cold-cache compile launch once died of
+    SIGSEGV in CI with the pool on, torch 2.13 CPU, cause not found; PYTHONFAULTHANDLER makes
+    a rank that dies of a signal print every thread's Python stack, for the next time.)
+    """
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

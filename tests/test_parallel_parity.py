@@ -7,13 +7,12 @@ gradient norm (fp32; differences come only from reduction order).
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.dist_utils import ROOT, free_port
+from tests.dist_utils import ROOT, free_port, multi_rank_env
 
 TOLERANCE = 1e-5
 
@@ -53,18 +52,25 @@ def launch(tmp_path, nproc, base, runs, *, cache_stats=False):
         args += ["--", *run]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "tests/parity_driver.py", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=multi_rank_env())
     if proc.returncode != 0:
         output = proc.stdout + proc.stderr
         errors = [line for line in output.splitlines() if "Error" in line and "ChildFailed" not in line]
-        pytest.fail("launch failed:\n" + "\n".join(errors[:10]) + "\n---\n" + output[-3000:])
+        pytest.fail("launch failed:\n" + "\n".join(errors[:10]) + "\n---\n" + _fatal_stacks(output)
+                    + "\n---\n" + output[-3000:])
     with open(out) as f:
         results = json.load(f)
     if not cache_stats:
         return results
     with open(f"{out}.cache.json") as f:
         return results, json.load(f)
+
+
+def _fatal_stacks(output: str, lines_each: int = 40) -> str:
+    """The faulthandler reports in a launch's output ("Fatal Python error: ..." and the stacks under it)."""
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Fatal Python error" in line]
+    return "\n".join("\n".join(lines[i:i + lines_each]) for i in starts)
 
 
 def assert_close_runs(reference, other, label):

@@ -11,13 +11,12 @@
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.dist_utils import ROOT, free_port
+from tests.dist_utils import ROOT, free_port, multi_rank_env
 from trainer.config import load_config
 from trainer.dry_run import plan
 
@@ -49,8 +48,7 @@ def real(tmp_path_factory):
         args += ["--", *config]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{free_port()}", "tests/planner_driver.py", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=multi_rank_env())
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
