@@ -80,9 +80,14 @@ def _cache_counters() -> dict[str, int]:
 
 def main() -> None:
     out_path, base, runs = split_driver_args(sys.argv[1:])
+    # A rank killed by a signal prints every thread's C++ stack (the crash may be in a gloo
+    # thread, which faulthandler's Python stacks do not show).
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     dist.init_process_group("gloo")
     results, cache_stats = {}, {}
     for index, run in enumerate(runs):
+        if dist.get_rank() == 0:
+            print(f"parity_driver: run {index + 1}/{len(runs)}: {' '.join(run)}", flush=True)
         count = "--count-comms" in run
         cfg = load_config(base + [a for a in run if a != "--count-comms"] + ["--job.dump_folder", f"{out_path}.run{index}"])
         resolved = resolve_run(cfg, dist.get_world_size())
