@@ -25,9 +25,10 @@ def multi_rank_env() -> dict[str, str]:
     One thread each for ops (OMP) and for inductor's compiles (TORCHINDUCTOR_COMPILE_THREADS):
     with 4 ranks on 2 cores, more threads only contend, and compiling in the rank's own thread
     keeps inductor's compile pool (a thread pool on CPU, worker subprocesses for Triton) out of
-    processes that also run gloo's threads. (A rank of a cold-cache compile launch once died of
-    SIGSEGV in CI with the pool on, torch 2.13 CPU, cause not found; PYTHONFAULTHANDLER makes
-    a rank that dies of a signal print every thread's Python stack, for the next time.)
+    processes that also run gloo's threads. PYTHONFAULTHANDLER makes a rank that dies of a
+    signal print every thread's Python stack (a rank of the compile-parity launch died of
+    SIGSEGV in CI with the pool on, and of SIGABRT with it off: see
+    tests/test_parallel_parity.launch).
     """
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "PYTHONFAULTHANDLER": "1", "CUDA_VISIBLE_DEVICES": ""}
