@@ -118,15 +118,22 @@ def _fatal_stacks(output: str, lines_each: int = 40, threads: int = 6) -> str:
     thread that took the signal and of threads that were not idle (torch's fatal-signal
     handler, which tests/parity_driver.py turns on, prints one per thread)."""
     lines = output.splitlines()
+
+    def until(start: int, last) -> str:
+        end = next((j for j in range(start + 1, min(start + lines_each, len(lines))) if last(lines[j])),
+                   start + lines_each)
+        return "\n".join(lines[start:end + 1])
+
     blocks, native = [], []
     for i, line in enumerate(lines):
-        block = "\n".join(lines[i:i + lines_each])
-        if "terminate called" in line or "Fatal Python error" in line:
-            blocks.append(block)
+        if "terminate called" in line:
+            blocks.append("\n".join(lines[i:i + 2]))
+        elif "Fatal Python error" in line:
+            blocks.append(until(i, lambda text: text.startswith("Extension modules")))
         elif re.match(r"SIG[A-Z]+\(\d+\), PID", line):
-            stack = "\n".join(lines[i:i + 12])
-            if not native or "wait" not in stack:
-                native.append(block)
+            stack = until(i, lambda text: not text.strip())
+            if not native or "wait" not in stack:  # idle threads wait (epoll, condition variables)
+                native.append(stack)
     return "\n".join(blocks + native[:threads])
 
 
