@@ -55,9 +55,10 @@ def launch(tmp_path, nproc, base, runs, *, cache_stats=False):
     state, with a warning that carries the dead rank's stacks. Why: on torch 2.13 CPU a rank of
     the 4-process compile-parity launch died twice in CI (SIGSEGV, then SIGABRT raised in a
     native thread, not a Python one, while the main thread ran a compiled backward's gloo
-    collective), and in none of 5 local runs of that test alone (3 beside a process keeping one
-    core busy); the cause is not found. A rank that fails any other way, or a second crash,
-    still fails the test."""
+    collective), and in none of 16 local runs of that test (most beside a second copy of it or
+    a process keeping one core busy; one with TORCH_DISTRIBUTED_DEBUG=DETAIL, which checks that
+    every collective matches across ranks); the cause is not found. A rank that fails any other
+    way, or a second crash, still fails the test."""
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir and not os.path.abspath(cache_dir).startswith(str(tmp_path) + os.sep):
         cache_dir = None  # not the test's own cache: never touched
