@@ -81,7 +81,7 @@ def _cache_counters() -> dict[str, int]:
 def main() -> None:
     out_path, base, runs = split_driver_args(sys.argv[1:])
     # A rank killed by a signal prints every thread's C++ stack (the crash may be in a gloo
-    # thread, which faulthandler's Python stacks do not show).
+    # thread, which faulthandler's Python stacks do not show). Private torch API, checked on 2.13.
     torch._C._set_print_stack_traces_on_fatal_signal(True)
     dist.init_process_group("gloo")
     results, cache_stats = {}, {}

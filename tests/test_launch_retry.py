@@ -58,14 +58,16 @@ def test_a_crash_is_retried_from_the_warm_cache(tmp_path, driver):
 
 
 def test_a_python_error_is_not_retried(tmp_path, driver):
-    driver[2].append(PYTHON_ERROR)
+    _, calls, outcomes = driver
+    outcomes.append(PYTHON_ERROR)
     with pytest.raises(pytest.fail.Exception, match="launch failed(.|\n)*run 2/3(.|\n)*shapes differ"):
         parity.launch(tmp_path, 4, [], [[]])
-    assert len(driver[1]) == 1
+    assert len(calls) == 1
 
 
 def test_a_second_crash_fails(tmp_path, driver):
-    driver[2].extend([CRASH, CRASH])
+    _, calls, outcomes = driver
+    outcomes += [CRASH, CRASH]
     with pytest.warns(UserWarning), pytest.raises(pytest.fail.Exception, match="launch failed"):
         parity.launch(tmp_path, 4, [], [[]])
-    assert len(driver[1]) == 2
+    assert len(calls) == 2
