@@ -21,6 +21,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmark import free_form_variant  # noqa: E402
 
 from parallel.memory import GIB  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -51,18 +54,18 @@ def _row(name: str, argv: list[str], nproc: int, measured: dict[str, float]) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="world size to plan for")
-    parser.add_argument("--variant", action="append", default=[], help="name:--key,value,... (comma-separated)")
+    parser.add_argument("--variant", action="append", default=[], help="name:--key,value,... (a comma starts a new argument only before --, as in benchmark.py)")
     parser.add_argument("--measured", action="append", default=[], help="name=GiB measured peak (max active)")
     args, shared = parser.parse_known_args()
     shared = [a for a in shared if a != "--"]
     measured = {k: float(v) for k, v in (m.split("=", 1) for m in args.measured)}
-    variants = [v.split(":", 1) for v in args.variant] or [["default", ""]]
+    variants = [free_form_variant(v) for v in args.variant or ["default:"]]
     rows = []
-    for name, overrides in variants:
+    for variant in variants:
         try:
-            rows.append(_row(name, shared + [o for o in overrides.split(",") if o], args.nproc, measured))
+            rows.append(_row(variant.name, shared + variant.overrides, args.nproc, measured))
         except WeftError as e:
-            rows.append({"variant": name, "peak phase": f"{e.label}: {e}"})
+            rows.append({"variant": variant.name, "peak phase": f"{e.label}: {e}"})
     cols = list(dict.fromkeys(k for r in rows for k in r))
     print("GiB per rank (rank 0)")
     print("| " + " | ".join(cols) + " |")
