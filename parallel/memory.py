@@ -318,7 +318,7 @@ class Phase:
 class MemoryEstimate:
     state: StateBytes
     activations: ActivationBytes
-    activation_total: int  # blocks + outside_blocks + cast copies, one micro-batch
+    activation_total: int  # blocks + outside_blocks + cast copies - offloaded, one micro-batch, on the GPU
     loss: tuple[int, int, int]
     largest_gathered: int
     accumulated_grads: int  # gradients held between micro-batches (0 without accumulation)
@@ -344,6 +344,7 @@ def estimate_memory(
     foreach_optimizer: bool,
     fused_head: bool = False,
     cast_copies: int | None = None,
+    offloaded: int = 0,
 ) -> MemoryEstimate:
     """The peak of each phase of a training step on one rank, from state, units and activations.
 
@@ -353,6 +354,9 @@ def estimate_memory(
     change linearly from block to block, so the two ends stand for all of them. With gradient accumulation the last
     micro-batch is the largest: it runs with the earlier ones' gradients held.
     `cast_copies` replaces the units' `compute_copies` in all (another checkpointing layout).
+    `offloaded`: activation bytes held in host memory from forward to backward
+    (parallel/activation_offload.py); they come back only near the end of backward, when the
+    blocks after them have freed more, so they leave every phase that holds activations.
     """
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
@@ -375,7 +379,7 @@ def estimate_memory(
     else:
         held = state.grads
     casts = sum(u.compute_copies for u in units) if cast_copies is None else cast_copies
-    activations = act.blocks + act.outside_blocks + casts
+    activations = act.blocks + act.outside_blocks + casts - offloaded
     base = {"parameters": state.params, "optimizer state": state.optimizer}
     running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
     grad_logits = 0 if fused_head else tokens * act.logits_columns * a

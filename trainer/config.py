@@ -125,6 +125,7 @@ class ActivationCheckpoint:
     op_sac_matmuls: str = "alternate"  # op SAC saves: alternate (every other matmul output, as torchtitan) | all (every one: no matmul recompute, more memory)
     memory_budget: float = 0.5  # memory_budget mode: activations kept, as a fraction of no AC's, in (0, 1]
     per_block: str = ""  # per_block mode: kind:count,... from the first block on; kinds full, op, op_all (op SAC saving every matmul), none; e.g. "op:18,full:10"
+    offload_blocks: int = 0  # hold the saved activations of the first N blocks in host memory from forward to backward (compiled per block, or eager blocks without AC)
 
 
 @dataclass

@@ -109,6 +109,16 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
     block_casts = [cast_copy_bytes(block, run.param_dtype) for block in block_modules]
     outside_casts = sum(u.compute_copies for u in units) - sum(c for c, k in zip(block_casts, kinds) if k == "none")
 
+    offload = cfg.activation_checkpoint.offload_blocks
+
+    def offloaded_bytes(block_kinds: list[str]) -> int:
+        """The first `offload` blocks' activations, their kept cast copies included."""
+        if not offload:
+            return 0
+        kinds = block_kinds[:offload]
+        return (spec.activation_bytes(run.model_args, inputs, kinds).blocks
+                + sum(c for c, k in zip(block_casts, kinds) if k == "none"))
+
     def estimate(block_kinds: list[str]) -> MemoryEstimate:
         return estimate_memory(
             state,
@@ -124,6 +134,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
             foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
             fused_head=run.fused_head_loss,
             cast_copies=outside_casts + sum(c for c, k in zip(block_casts, block_kinds) if k == "none"),
+            offloaded=offloaded_bytes(block_kinds),
         )
 
     fitting = None
@@ -198,6 +209,7 @@ def _dp_traffic(p: DryRunPlan) -> tuple[int, int]:
 def format_plan(p: DryRunPlan) -> str:
     run, cfg, dims, m = p.run, p.run.cfg, p.run.dims, p.memory
     t, c = cfg.training, cfg.comm
+    offload_n = cfg.activation_checkpoint.offload_blocks
     on = {True: "on", False: "off"}
     lines = [
         f"dry run: {cfg.model.name} {cfg.model.flavor} on {dims.world_size} simulated ranks "
@@ -235,7 +247,8 @@ def format_plan(p: DryRunPlan) -> str:
            f"{_gib(s.widened_grads)} at a time by the step" if s.widened_grads else ""),
         f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
-        f"saved for backward",
+        f"saved for backward" + (f", on the GPU (the first {offload_n} blocks' are held in host memory: "
+                                 f"activation_checkpoint.offload_blocks)" if offload_n else ""),
         f"  logits + loss         {loss_bwd:>18,} B  {_gib(loss_bwd):>12}  backward peak "
         f"(forward {_gib(loss_fwd)}; loss {'compiled' if cfg.compile.enable and 'loss' in cfg.compile.components else 'eager'}"
         f"{', fused into the head' if run.fused_head_loss else ''})",

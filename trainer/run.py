@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from models import MODEL_NAMES, ModelSpec, get_model_spec
-from parallel.activation_checkpoint import parse_per_block
+from parallel.activation_checkpoint import block_kinds, parse_per_block
 from parallel.data_parallel import resolve_engine, traceable
 from parallel.mesh import ParallelConfigError, ParallelDims
 from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
@@ -321,6 +321,8 @@ def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
     if ac.per_block and ac.mode != "per_block" and _is_rank0():
         logger.warning(f"activation_checkpoint.per_block = '{ac.per_block}' has no effect with mode = '{ac.mode}': "
                        "it lays out the blocks of mode 'per_block'.")
+    if ac.offload_blocks and n_layers is not None:
+        _check_activation_offload(cfg, n_layers)
     op_sac = ac.mode == "selective" and ac.selective_ac_option == "op"
     if ac.op_sac_matmuls != "alternate" and not op_sac and _is_rank0():
         logger.warning(
@@ -332,6 +334,35 @@ def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
         logger.warning(
             f"lr_scheduler.warmup_steps ({warmup}) > training.steps ({t.steps}): the learning rate never "
             f"reaches optimizer.lr (it ends at {t.steps / (warmup + 1):.0%} of it)."
+        )
+
+
+def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
+    """activation_checkpoint.offload_blocks: the hooks it relies on see a block's saved tensors
+    only where the block is one compiled node or runs eagerly without checkpointing
+    (parallel/activation_offload.py)."""
+    ac, c = cfg.activation_checkpoint, cfg.compile
+    n = ac.offload_blocks
+    if not 0 <= n < n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.offload_blocks = {n}: use 0..{n_layers - 1} (the model has {n_layers} blocks, "
+            "and the last block's activations are the first backward reads)."
+        )
+    if c.enable and "model" in c.components and c.strategy == "model":
+        raise ConfigError(
+            "activation_checkpoint.offload_blocks needs compile.strategy = 'blocks' or compile.enable = false: "
+            "under whole-model compile the saved activations are handed over only after the whole forward."
+        )
+    per_block_compiled = c.enable and "model" in c.components
+    try:
+        kinds = block_kinds(n_layers, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls, ac.per_block)[:n]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not per_block_compiled and any(kind != "none" for kind in kinds):
+        raise ConfigError(
+            f"activation_checkpoint.offload_blocks = {n} with eager checkpointed blocks: checkpointing keeps their "
+            "activations where offloading cannot reach them; compile the blocks (compile.enable = true, "
+            "strategy 'blocks') or leave the offloaded blocks unwrapped (mode 'per_block' with none:N first)."
         )
 
 

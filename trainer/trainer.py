@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
+from parallel.activation_offload import ActivationOffload
 from parallel.compile import compile_forward_loss, cross_entropy_kernels
 from parallel.data_parallel import compact_gradients, describe as describe_data_parallel
 from parallel.fsdp import set_gradient_sync
@@ -95,6 +96,10 @@ class Trainer:
         self.overlapped_step = None
         if run.overlap_step:
             self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device)
+        self.activation_offload = None
+        if cfg.activation_checkpoint.offload_blocks:
+            self.activation_offload = ActivationOffload(run.spec.blocks(self.model), cfg.activation_checkpoint.offload_blocks,
+                                                        run.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
                            dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)
@@ -139,7 +144,8 @@ class Trainer:
                 last = index == accum - 1
                 set_gradient_sync(self.model, reduce_scatter=last or not self.defer_reduce_scatter, all_reduce=last)
             with self._loss_context():
-                loss = self.forward_loss(inputs, labels) / accum
+                with self._offload_scope():
+                    loss = self.forward_loss(inputs, labels) / accum
                 self._finish_step()  # the forward settled every unit it ran; this catches any other
                 loss.backward()
             loss_sum += loss.detach()
@@ -155,6 +161,16 @@ class Trainer:
         forward reads parameters, optimizer state or gradients."""
         if self.overlapped_step is not None:
             self.overlapped_step.finish()
+
+    def _offload_scope(self) -> contextlib.AbstractContextManager:
+        return self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext()
+
+    def _offload_metrics(self) -> dict[str, float]:
+        """What activation offload moved in the last micro-batch's forward, and the fetches that came late."""
+        if self.activation_offload is None:
+            return {}
+        return {"offload_gib": self.activation_offload.bytes_offloaded / 1024**3,
+                "offload_late_fetches": self.activation_offload.late_fetches}
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         value = value.detach().clone()
@@ -183,7 +199,7 @@ class Trainer:
         count = 0
         for _ in range(self.cfg.validation.steps):
             for inputs, labels in self.val_loader.next_step():
-                with self._loss_context():
+                with self._loss_context(), self._offload_scope():
                     loss = self.forward_loss(inputs, labels)
                 total += loss.detach()
                 del loss  # free this batch's graph before the next forward
@@ -245,7 +261,7 @@ class Trainer:
                 if self.metrics.should_log(self.step) or last:
                     self._raise_if_nonfinite()
                     self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
-                                     tokens=tokens_since_log, extra=self.dataloader.shares())
+                                     tokens=tokens_since_log, extra={**self.dataloader.shares(), **self._offload_metrics()})
                     tokens_since_log = 0
                 if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
                     self.metrics.log_scalars(self.step, self.validate())
