@@ -34,11 +34,12 @@ def references(tmp_path_factory, corpus):
 def world2(tmp_path_factory, corpus):
     """The 2-process parity jobs, trained in one launch because starting a process group costs
     ~25 s on 2 cores: tests/test_parallel_parity.py's 2-rank meshes,
-    tests/test_compile_parity.py's whole-model compile on 2x1 and tests/test_head_loss.py's fused
-    head runs. {run args joined: metrics records}."""
+    tests/test_compile_parity.py's whole-model compile on 2x1, tests/test_head_loss.py's fused
+    head runs and tests/test_activation_offload.py's offloaded runs. {run args joined: metrics records}."""
+    from tests.test_activation_offload import OFFLOAD_WORLD2
     from tests.test_compile_parity import WORLD2
     from tests.test_head_loss import HEAD_LOSS_WORLD2
     from tests.test_parallel_parity import BASE, WORLD2_MESHES, launch
 
     return launch(tmp_path_factory.mktemp("world2"), 2, BASE + ["--training.dataset_path", corpus],
-                  [*WORLD2_MESHES, *WORLD2.values(), *HEAD_LOSS_WORLD2.values()])
+                  [*WORLD2_MESHES, *WORLD2.values(), *HEAD_LOSS_WORLD2.values(), *OFFLOAD_WORLD2.values()])

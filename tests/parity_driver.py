@@ -6,6 +6,8 @@ a process group costs far more on a 2-core CI machine than the few steps each ru
 Usage: parity_driver.py OUT.json BASE_ARGS... -- RUN_ARGS... -- RUN_ARGS...
 A run whose args include `--count-comms` also records, per step, the collectives its
 `train_step` issued (keyed by op name, e.g. "c10d._reduce_scatter_base_") under "<run args>#comms".
+With `--offload-all-sizes`, activation offload moves storages of any size (the tiny model's are
+far below its 1 MiB floor).
 Besides OUT.json, OUT.json.cache.json holds each run's compile-cache hit and miss counts, and
 with WEFT_RECORD_GRAPHS=1 each run's folder holds compiled_graphs.json (tests/graph_inspection.py).
 """
@@ -89,11 +91,14 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"parity_driver: run {index + 1}/{len(runs)}: {' '.join(run)}", flush=True)
         count = "--count-comms" in run
-        cfg = load_config(base + [a for a in run if a != "--count-comms"] + ["--job.dump_folder", f"{out_path}.run{index}"])
+        flags = ("--count-comms", "--offload-all-sizes")
+        cfg = load_config(base + [a for a in run if a not in flags] + ["--job.dump_folder", f"{out_path}.run{index}"])
         resolved = resolve_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.training.seed)
         before = _cache_counters()
         trainer = Trainer(resolved)
+        if "--offload-all-sizes" in run:
+            trainer.activation_offload.min_bytes = 0
         comms = []
         if count:
             step = trainer.train_step

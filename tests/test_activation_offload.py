@@ -1,0 +1,207 @@
+"""Activation offload (parallel/activation_offload.py): the saved activations of the first blocks
+held in host memory from forward to backward.
+
+On a CPU a storage is copied to another host buffer and read back from it, on the schedule a
+GPU uses (released a fixed number of blocks later, fetched `FETCH_AHEAD` blocks ahead), so
+these tests check everything but the streams: training with offload is bit for bit training
+without it (eager, and compiled per block with inductor under every checkpointing kind, where
+compiled code checks the strides of what it reads back); each offloaded storage's memory is
+released by the end of forward; only the offloaded blocks' saved tensors pass through the
+hooks, never a parameter; every fetch starts before backward needs it; a failed forward leaves
+no hook behind; the config refuses what the hooks cannot see, in one line; the dry run counts
+the offloaded activations out. The streams were checked on an H100 (docs/performance.md).
+Multi-rank parity (dp 2, tp 2 with DTensor activations, compiled blocks) runs in the shared
+2-process launch (tests/conftest.py's `world2`).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tests.test_compile_parity import AC_MODES, STRATEGIES
+from tests.test_parallel_parity import assert_close_runs
+
+N_LAYERS, OFFLOADED, VOCAB, SEQ = 4, 2, 512, 64
+COMPILE_TOLERANCE = 1e-4
+OFFLOAD = ["--activation_checkpoint.offload_blocks", "1", "--offload-all-sizes"]
+DP2 = ["--parallelism.tensor_parallel_degree", "1"]
+TP2_SP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true",
+          "--parallelism.enable_loss_parallel", "true"]
+# Trained in the 2-process launch shared with the parity tests (the `world2` fixture, tests/conftest.py).
+OFFLOAD_WORLD2 = {
+    "dp 2, eager": DP2 + OFFLOAD,
+    "tp 2, sequence and loss parallel, eager (DTensor activations)": TP2_SP + OFFLOAD,
+    "dp 2, blocks compiled, op SAC": STRATEGIES["blocks"] + DP2 + AC_MODES["sel_op"] + OFFLOAD,
+}
+
+
+def _model(kind: str, compiled: bool):
+    from models.llama3.args import flavor_args
+    from models.llama3.model import Transformer
+    from parallel.activation_checkpoint import apply_activation_checkpointing
+
+    args = dataclasses.replace(flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ), n_layers=N_LAYERS)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    apply_activation_checkpointing(model.layers, "per_block", "op", per_block=f"{kind}:{N_LAYERS}")
+    if compiled:
+        for block in model.layers.values():
+            block.compile(backend="inductor", fullgraph=True, dynamic=False)
+    return model
+
+
+class _Watched:
+    """An ActivationOffload whose pack hook and offloads are observed."""
+
+    def __init__(self, model):
+        from parallel.activation_offload import ActivationOffload
+
+        self.offload = ActivationOffload(model.layers, OFFLOADED, torch.device("cpu"), min_bytes=0)
+        self.packed_in: list[int | None] = []  # the block each pack ran in
+        self.sources: list[StorageWeakRef] = []  # each offloaded storage
+        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.offloaded_addresses: list[int] = []
+        pack, offload = self.offload._pack, self.offload._offload
+
+        def watched_pack(t):
+            self.packed_in.append(self.offload._block)
+            return pack(t)
+
+        def watched_offload(storage):
+            self.sources.append(StorageWeakRef(storage))
+            self.offloaded_addresses.append(storage.data_ptr())
+            return offload(storage)
+
+        self.offload._hooks = torch.autograd.graph.saved_tensors_hooks(watched_pack, self.offload._unpack)
+        self.offload._offload = watched_offload
+
+
+def _train(kind: str, compiled: bool, offload: bool, steps: int = 3):
+    """Losses and final gradients of a few SGD steps; with offload, what was seen each step."""
+    model = _model(kind, compiled)
+    watched = _Watched(model) if offload else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1))
+    losses, seen = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        if watched:
+            watched.sources.clear()
+            with watched.offload.scope():
+                logits = model(tokens[:, :-1])
+            seen.append({"alive after forward": sum(not ref.expired() for ref in watched.sources),
+                         "offloaded": len(watched.sources)})
+        else:
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return losses, grads, seen, watched
+
+
+@pytest.mark.parametrize("kind, compiled", [("none", False), ("none", True), ("op", True), ("op_all", True),
+                                            ("full", True)])
+def test_training_with_offload_is_bit_for_bit_training_without(kind, compiled):
+    losses, grads, _, _ = _train(kind, compiled, offload=False)
+    off_losses, off_grads, seen, watched = _train(kind, compiled, offload=True)
+    assert losses == off_losses
+    for name, grad in grads.items():
+        assert torch.equal(grad, off_grads[name]), name
+    assert losses[-1] < losses[0]
+    offload = watched.offload
+    assert all(step["offloaded"] > 0 for step in seen), seen
+    assert all(step["alive after forward"] == 0 for step in seen), seen  # device memory released
+    assert offload.late_fetches == 0  # every fetch began a block or more before its backward
+    assert set(watched.packed_in) == set(range(OFFLOADED))  # only the offloaded blocks' tensors
+    assert not watched.parameters & set(watched.offloaded_addresses)
+    assert offload.bytes_offloaded > 0 and not offload._unreleased and not offload._to_fetch
+
+
+def test_a_forward_that_fails_leaves_no_hook_behind():
+    model = _model("none", compiled=False)
+    watched = _Watched(model)
+
+    def fail(module, args, output):  # after offloaded block 1: its hooks are still pushed
+        raise RuntimeError("boom")
+
+    handle = model.layers["1"].register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        with watched.offload.scope():
+            model(torch.zeros(1, SEQ, dtype=torch.long))
+    handle.remove()
+    packed = len(watched.packed_in)
+    x = torch.randn(8, 8, requires_grad=True)
+    (x * x).sum().backward()  # saves x: would pass through a hook left pushed
+    assert len(watched.packed_in) == packed
+    assert not watched.offload._unreleased
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD_WORLD2))
+def test_two_processes_with_offload_match_one_without(world2, references, name):
+    records = world2[" ".join(OFFLOAD_WORLD2[name])]
+    assert all(r["offload_gib"] > 0 for r in records), name
+    if "compiled" not in name:
+        assert_close_runs(references[8], records, name)
+        return
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5], name
+    for ref, got in zip(references[8], records):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - ref[key]) / abs(ref[key]) < COMPILE_TOLERANCE, f"{name} step {ref['step']} {key}"
+    assert records[-1]["recompiles_after_warmup"] == 0, name
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["--activation_checkpoint.offload_blocks", "2"], "offload_blocks = 2: use 0..1"),
+    (["--activation_checkpoint.offload_blocks", "-1"], "offload_blocks = -1: use 0..1"),
+    (["--activation_checkpoint.offload_blocks", "1", "--compile.enable", "true", "--compile.strategy", "model"],
+     "offload_blocks needs compile.strategy = 'blocks' or compile.enable = false"),
+    (["--activation_checkpoint.offload_blocks", "1", "--activation_checkpoint.mode", "full"],
+     "offload_blocks = 1 with eager checkpointed blocks"),
+])
+def test_config_mistakes_are_one_line(monkeypatch, capsys, tmp_path, overrides, needle):
+    from tests.test_run_guards import _check_only
+
+    code, _, err = _check_only(monkeypatch, capsys, tmp_path, *overrides)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", "none:1,full:1"],
+    ["--activation_checkpoint.mode", "full", "--compile.enable", "true", "--compile.strategy", "blocks"],
+])
+def test_what_the_hooks_can_see_is_accepted(monkeypatch, capsys, tmp_path, overrides):
+    from tests.test_run_guards import _check_only
+
+    code, _, err = _check_only(monkeypatch, capsys, tmp_path, "--activation_checkpoint.offload_blocks", "1", *overrides)
+    assert code == 0, err
+
+
+def test_dry_run_counts_the_offloaded_blocks_out():
+    """3B, every matmul saved: offloading 5 blocks takes exactly their activations off every
+    phase that holds activations (op_all 3B blocks at 16,384 tokens: 0.947 GiB each)."""
+    from models.llama3.args import flavor_args
+    from models.llama3.memory import activation_bytes
+    from parallel.memory import ActivationInputs
+    from trainer.config import load_config
+    from trainer.dry_run import plan
+
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--compile.enable", "true",
+            "--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", "op_all:28"]
+    kept = plan(load_config(argv), 1).memory
+    offloaded = plan(load_config(argv + ["--activation_checkpoint.offload_blocks", "5"]), 1).memory
+    inputs = ActivationInputs(tokens=16_384, tp=1, sequence_parallel=False, loss_parallel=False, compute_bytes=2,
+                              compiled=True, fused_norm=False)  # compiled counts read no norm kernel
+    five = activation_bytes(flavor_args("3B", vocab_size=128_256, max_seq_len=8192), inputs, ["op_all"] * 5).blocks
+    assert kept.activation_total - offloaded.activation_total == five
+    for before, after in zip(kept.phases, offloaded.phases):
+        holds_activations = "activations" in before.parts
+        assert before.total - after.total == (five if holds_activations else 0), before.name
+    assert offloaded.peak.name == "backward: the head"
