@@ -109,7 +109,7 @@ class ActivationOffload:
         self.count = count
         self.min_bytes = min_bytes  # tests lower it, to move a tiny model's storages
         self._n_blocks = len(blocks)
-        self._release_lag = 2 * count + 2
+        self._release_lag = release_lag(count)
         self.bytes_offloaded = 0  # in the last forward
         self.late_fetches = 0  # storages unpacked before their fetch began, since the start
         self._device = device
@@ -118,6 +118,7 @@ class ActivationOffload:
         self._fetch_stream = torch.cuda.Stream(device) if cuda else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._active = False
+        self._paused = False
         self._block: int | None = None
         self._kept: set[int] = set()  # storage addresses the current block saves but must not move
         # The current block's stored storages by address (each holds its source until released,
@@ -129,20 +130,24 @@ class ActivationOffload:
             block.register_forward_pre_hook(self._pre_forward_hook(index))
 
     @contextlib.contextmanager
-    def scope(self):
-        """Around one forward: pops the pack hooks if the forward ended inside an offloaded block."""
+    def scope(self, offload: bool = True):
+        """Around one forward: pops the pack hooks if the forward ended inside an offloaded block.
+        `offload=False` moves nothing: for a forward whose graph is freed unread (validation's,
+        which runs with grad mode on so that compiled regions are not compiled twice)."""
+        self._paused = not offload
         try:
             yield
         finally:
+            self._paused = False
             self._deactivate()
             self._release(everything=True)
 
     def _pre_forward_hook(self, index: int):
-        # Eager, before the block's graph under per-block compile (dynamo skips Module._call_impl
-        # and the hook is excluded from tracing; checked on torch 2.11 and 2.13).
+        # Eager, outside the block's graph under per-block compile: torch.compiler.disable keeps
+        # dynamo from tracing it with the module call (checked on torch 2.11 and 2.13).
         @torch.compiler.disable
         def hook(module: nn.Module, args: tuple) -> None:
-            if not torch.is_grad_enabled():
+            if self._paused or not torch.is_grad_enabled():
                 return
             if index == 0:
                 self.bytes_offloaded = 0
@@ -200,12 +205,13 @@ class ActivationOffload:
         if self._block is None:
             return t
         if isinstance(t, DTensor):  # an eager tensor-parallel block saves DTensors: move the shard
-            local = self._pack(t.to_local())
+            with torch.no_grad():  # the shard only, no autograd node for it
+                local = self._pack(t.to_local())
             if isinstance(local, torch.Tensor):
                 return t
             return _DTensorView(local, t.device_mesh, tuple(t.placements), t.shape, t.stride())
-        if type(t) is not torch.Tensor or t.device != self._device:
-            return t
+        if type(t) is not torch.Tensor or t.device != self._device or t.is_conj() or t.is_neg():
+            return t  # a rebuilt view would lose a conjugate or negative bit
         storage = t.untyped_storage()
         address = storage.data_ptr()
         if storage.nbytes() < self.min_bytes or address in self._kept:
@@ -248,12 +254,16 @@ class ActivationOffload:
     def _fetch(self, stored: _Stored) -> None:
         """Start `stored` back to the device; its host buffer is released (the pinned-memory
         cache keeps it from reuse until the copy is done)."""
+        if stored.back is not None:
+            return
         host, stored.host = stored.host, None
         if self._fetch_stream is None:
             stored.back = host
             return
         compute = torch.cuda.current_stream(self._device)
         back = torch.empty(host.numel(), dtype=torch.uint8, device=self._device)  # in the compute stream's pool
+        # Freed unread (a backward that fails or stops early), its memory must wait for the copy.
+        back.record_stream(self._fetch_stream)
         self._fetch_stream.wait_stream(compute)  # whatever last used this memory is done
         self._fetch_stream.wait_event(stored.offloaded)
         with torch.cuda.stream(self._fetch_stream):
@@ -261,6 +271,22 @@ class ActivationOffload:
             stored.arrived = torch.cuda.Event()
             stored.arrived.record(self._fetch_stream)
         stored.back = back
+
+
+def release_lag(count: int) -> int:
+    """How many blocks after an offloaded block the block is whose start releases its device
+    memory: twice the offloaded blocks, as each block's copy takes about two blocks' forward."""
+    return 2 * count + 2
+
+
+def blocks_on_device_in_forward(count: int, n_blocks: int) -> list[list[int]]:
+    """For each block in forward order, the blocks whose saved activations are on the device
+    while it runs, itself included: with `count` offloaded, the schedule the dry run counts
+    (parallel/memory.py). Until the offloaded blocks are released, forward holds them too; the
+    last block releases whatever is left."""
+    lag = release_lag(count)
+    return [[b for b in range(j + 1) if not (b < count and (b + lag <= j or j == n_blocks - 1))]
+            for j in range(n_blocks)]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

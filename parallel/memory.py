@@ -345,6 +345,7 @@ def estimate_memory(
     fused_head: bool = False,
     cast_copies: int | None = None,
     offloaded: int = 0,
+    offload_unreleased: int = 0,
 ) -> MemoryEstimate:
     """The peak of each phase of a training step on one rank, from state, units and activations.
 
@@ -357,6 +358,8 @@ def estimate_memory(
     `offloaded`: activation bytes held in host memory from forward to backward
     (parallel/activation_offload.py); they come back only near the end of backward, when the
     blocks after them have freed more, so they leave every phase that holds activations.
+    Their device memory is released some blocks into forward: `offload_unreleased`, the most
+    block activations forward holds beyond those of its end, adds a phase where that is more.
     """
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
@@ -394,7 +397,11 @@ def estimate_memory(
     # made both gradients in forward.
     head_grads = 0 if fused_head else head_gradient_bytes(
         tokens, head_rows, act.head_in_features, compute_bytes=a, weight=not head.gathered)
+    unreleased_phase = [Phase("forward: offloaded blocks not yet released", {
+        **running, "activations": activations + offload_unreleased, "gathered parameters": kept + block.gathered,
+    })] if offload_unreleased else []
     phases = [
+        *unreleased_phase,
         Phase("forward: the loss", {**running, "logits + loss": loss_fwd, "gathered parameters": kept}),
         Phase("backward: the loss", {**after_forward, "logits + loss": loss_bwd, "gathered parameters": kept}),
         Phase("backward: the head", {**after_forward, "logits gradient": grad_logits,

@@ -163,6 +163,9 @@ def test_two_processes_with_offload_match_one_without(world2, references, name):
      "offload_blocks needs compile.strategy = 'blocks' or compile.enable = false"),
     (["--activation_checkpoint.offload_blocks", "1", "--activation_checkpoint.mode", "full"],
      "offload_blocks = 1 with eager checkpointed blocks"),
+    (["--activation_checkpoint.offload_blocks", "1", "--activation_checkpoint.mode", "full", "--compile.enable",
+      "true", "--compile.strategy", "blocks", "--compile.backend", "eager"],
+     "offload_blocks = 1 with eager checkpointed blocks"),
 ])
 def test_config_mistakes_are_one_line(monkeypatch, capsys, tmp_path, overrides, needle):
     from tests.test_run_guards import _check_only
@@ -205,3 +208,75 @@ def test_dry_run_counts_the_offloaded_blocks_out():
         holds_activations = "activations" in before.parts
         assert before.total - after.total == (five if holds_activations else 0), before.name
     assert offloaded.peak.name == "backward: the head"
+
+
+def test_forward_with_many_blocks_offloaded_is_counted_before_their_release():
+    """3B op_all, 12 of 28 blocks offloaded: each is released 26 blocks after it starts, so
+    block 25 runs with blocks 0-25 on the device, 26 blocks' activations against the 16 left
+    at the end of forward. The dry run shows that phase, and it is the peak."""
+    from models.llama3.args import flavor_args
+    from models.llama3.memory import activation_bytes
+    from parallel.memory import ActivationInputs
+    from trainer.config import load_config
+    from trainer.dry_run import plan
+
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--compile.enable", "true",
+            "--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", "op_all:28"]
+    kept = plan(load_config(argv), 1).memory
+    many = plan(load_config(argv + ["--activation_checkpoint.offload_blocks", "12"]), 1).memory
+    inputs = ActivationInputs(tokens=16_384, tp=1, sequence_parallel=False, loss_parallel=False, compute_bytes=2,
+                              compiled=True, fused_norm=False)
+    block = activation_bytes(flavor_args("3B", vocab_size=128_256, max_seq_len=8192), inputs, ["op_all"]).blocks
+    phase = next(p for p in many.phases if p.name == "forward: offloaded blocks not yet released")
+    assert phase.parts["activations"] == kept.activation_total - 2 * block
+    assert many.peak is phase
+    few = plan(load_config(argv + ["--activation_checkpoint.offload_blocks", "8"]), 1).memory  # 18 <= 20 blocks
+    assert all(p.name != phase.name for p in few.phases)
+
+
+@pytest.mark.parametrize("n_layers, count", [(8, 1), (9, 2), (4, 2)])
+def test_device_memory_is_released_on_the_counted_schedule(n_layers, count):
+    """What the dry run assumes (blocks_on_device_in_forward) is what the hooks do: at each
+    block's start, the offloaded blocks whose storages are still alive are the ones it lists."""
+    from models.llama3.args import flavor_args
+    from models.llama3.model import Transformer
+    from parallel.activation_offload import ActivationOffload, blocks_on_device_in_forward
+
+    args = dataclasses.replace(flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ), n_layers=n_layers)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    offload = ActivationOffload(model.layers, count, torch.device("cpu"), min_bytes=0)
+    sources: dict[int, list[StorageWeakRef]] = {}
+    offload_storage = offload._offload
+
+    def watched_offload(storage):
+        sources.setdefault(offload._block, []).append(StorageWeakRef(storage))
+        return offload_storage(storage)
+
+    offload._offload = watched_offload
+    seen = []
+
+    def record(module, args):  # registered after the offload's hook: sees what it left
+        seen.append([b for b, refs in sorted(sources.items()) if any(not r.expired() for r in refs)])
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(record)
+    with offload.scope():
+        model(torch.randint(0, VOCAB, (2, SEQ)))
+    expected = [[b for b in alive if b < count and b < j] for j, alive in
+                enumerate(blocks_on_device_in_forward(count, n_layers))]
+    assert seen == expected
+    assert any(len(alive) < min(j, count) for j, alive in enumerate(seen))  # some released before the last block
+
+
+def test_validation_forward_moves_nothing():
+    model = _model("none", compiled=False)
+    watched = _Watched(model)
+    with watched.offload.scope(offload=False):
+        model(torch.randint(0, VOCAB, (2, SEQ)))
+    assert watched.packed_in == [] and watched.sources == [] and watched.offload.bytes_offloaded == 0
+    with watched.offload.scope():  # the next training forward offloads again
+        model(torch.randint(0, VOCAB, (2, SEQ)))
+    assert watched.sources

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.activation_checkpoint import BLOCK_KINDS, checkpoint_kind
+from parallel.activation_offload import blocks_on_device_in_forward
 from parallel.compile import fuses_loss
 from parallel.data_parallel import cast_views
 from parallel.memory import (
@@ -111,15 +112,23 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
 
     offload = cfg.activation_checkpoint.offload_blocks
 
-    def offloaded_bytes(block_kinds: list[str]) -> int:
-        """The first `offload` blocks' activations, their kept cast copies included."""
+    def block_activation_bytes(block_kinds: list[str]) -> list[int]:
+        """Each block's activations, its kept cast copy included."""
+        return [spec.activation_bytes(run.model_args, inputs, [kind]).blocks + (cast if kind == "none" else 0)
+                for kind, cast in zip(block_kinds, block_casts)]
+
+    def offloaded_bytes(block_kinds: list[str]) -> tuple[int, int]:
+        """The first `offload` blocks' activations, and how many more bytes of block activations
+        forward holds on the device at its worst than at its end (offloaded blocks not released yet)."""
         if not offload:
-            return 0
-        kinds = block_kinds[:offload]
-        return (spec.activation_bytes(run.model_args, inputs, kinds).blocks
-                + sum(c for c, k in zip(block_casts, kinds) if k == "none"))
+            return 0, 0
+        sizes = block_activation_bytes(block_kinds)
+        at_end = sum(sizes[offload:])
+        worst = max(sum(sizes[b] for b in alive) for alive in blocks_on_device_in_forward(offload, len(sizes)))
+        return sum(sizes[:offload]), max(worst - at_end, 0)
 
     def estimate(block_kinds: list[str]) -> MemoryEstimate:
+        offloaded, unreleased = offloaded_bytes(block_kinds)
         return estimate_memory(
             state,
             units,
@@ -134,7 +143,8 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
             foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
             fused_head=run.fused_head_loss,
             cast_copies=outside_casts + sum(c for c, k in zip(block_casts, block_kinds) if k == "none"),
-            offloaded=offloaded_bytes(block_kinds),
+            offloaded=offloaded,
+            offload_unreleased=unreleased,
         )
 
     fitting = None

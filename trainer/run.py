@@ -353,16 +353,18 @@ def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
             "activation_checkpoint.offload_blocks needs compile.strategy = 'blocks' or compile.enable = false: "
             "under whole-model compile the saved activations are handed over only after the whole forward."
         )
-    per_block_compiled = c.enable and "model" in c.components
+    # Backend "eager" runs dynamo's graph without AOTAutograd: a checkpoint in it is an eager one.
+    one_autograd_node = c.enable and "model" in c.components and c.backend != "eager"
     try:
         kinds = block_kinds(n_layers, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls, ac.per_block)[:n]
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not per_block_compiled and any(kind != "none" for kind in kinds):
+    if not one_autograd_node and any(kind != "none" for kind in kinds):
         raise ConfigError(
             f"activation_checkpoint.offload_blocks = {n} with eager checkpointed blocks: checkpointing keeps their "
             "activations where offloading cannot reach them; compile the blocks (compile.enable = true, "
-            "strategy 'blocks') or leave the offloaded blocks unwrapped (mode 'per_block' with none:N first)."
+            "strategy 'blocks', a backend other than 'eager') or leave the offloaded blocks unwrapped "
+            "(mode 'per_block' with none:N first)."
         )
 
 

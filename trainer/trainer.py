@@ -162,8 +162,8 @@ class Trainer:
         if self.overlapped_step is not None:
             self.overlapped_step.finish()
 
-    def _offload_scope(self) -> contextlib.AbstractContextManager:
-        return self.activation_offload.scope() if self.activation_offload else contextlib.nullcontext()
+    def _offload_scope(self, offload: bool = True) -> contextlib.AbstractContextManager:
+        return self.activation_offload.scope(offload) if self.activation_offload else contextlib.nullcontext()
 
     def _offload_metrics(self) -> dict[str, float]:
         """What activation offload moved in the last micro-batch's forward, and the fetches that came late."""
@@ -199,7 +199,7 @@ class Trainer:
         count = 0
         for _ in range(self.cfg.validation.steps):
             for inputs, labels in self.val_loader.next_step():
-                with self._loss_context(), self._offload_scope():
+                with self._loss_context(), self._offload_scope(offload=False):
                     loss = self.forward_loss(inputs, labels)
                 total += loss.detach()
                 del loss  # free this batch's graph before the next forward
