@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.loss import LinearCrossEntropyHead, chunk_loss_and_grad, fuse_loss_into_head, linear_cross_entropy
 from tests.test_compile_parity import AC_MODES, STRATEGIES
-from tests.test_parallel_parity import assert_close_runs
+from tests.test_parallel_parity import COMPILED_TOLERANCE, TOLERANCE, assert_close_runs
 
 FUSED = ["--training.head_loss", "fused"]
 DP2 = ["--parallelism.tensor_parallel_degree", "1"]
@@ -26,7 +26,6 @@ HEAD_LOSS_WORLD2 = {
     "fully_shard, blocks compiled": STRATEGIES["blocks"] + DP2 + FUSED,
     "graph engine, whole model compiled, op SAC": STRATEGIES["model"] + DP2 + AC_MODES["sel_op"] + FUSED,
 }
-COMPILE_TOLERANCE = 1e-4
 
 
 def _reference(hidden, weight, labels, num_classes, scale):
@@ -161,13 +160,9 @@ def test_one_process_fused_follows_the_separate_head(references):
 @pytest.mark.parametrize("name", list(HEAD_LOSS_WORLD2))
 def test_two_processes_fused_follows_the_separate_head(world2, references, name):
     records = world2[" ".join(HEAD_LOSS_WORLD2[name])]
+    assert_close_runs(references[8], records, name, COMPILED_TOLERANCE if "compiled" in name else TOLERANCE)
     if "compiled" not in name:
-        assert_close_runs(references[8], records, name)
         return
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5], name
-    for ref, got in zip(references[8], records):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - ref[key]) / abs(ref[key]) < COMPILE_TOLERANCE, f"{name} step {ref['step']} {key}"
     last = records[-1]
     assert last["graph_breaks"] == 0 and last["recompiles_after_warmup"] == 0, name
     if "whole model" in name:

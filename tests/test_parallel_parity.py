@@ -19,6 +19,7 @@ import pytest
 from tests.dist_utils import ROOT, free_port, multi_rank_env
 
 TOLERANCE = 1e-5
+COMPILED_TOLERANCE = 1e-4  # inductor's fused kernels round differently from eager
 
 BASE = [
     "--job.config_file", "train_configs/debug_model.toml",
@@ -138,12 +139,14 @@ def _fatal_stacks(output: str, lines_each: int = 40, threads: int = 6) -> str:
     return "\n".join(blocks + native[:threads])
 
 
-def assert_close_runs(reference, other, label):
+def assert_close_runs(reference, other, label, tolerance=TOLERANCE):
+    """Each step's loss and gradient norm within `tolerance` (relative) of the reference run's:
+    TOLERANCE for eager runs, COMPILED_TOLERANCE for compiled ones against the eager reference."""
     assert [r["step"] for r in other] == [1, 2, 3, 4, 5], label
     for ref, got in zip(reference, other):
         for key in ("loss", "grad_norm"):
             rel = abs(got[key] - ref[key]) / abs(ref[key])
-            assert rel < TOLERANCE, f"{label} step {ref['step']} {key}: {got[key]} vs {ref[key]} (rel {rel:.2e})"
+            assert rel < tolerance, f"{label} step {ref['step']} {key}: {got[key]} vs {ref[key]} (rel {rel:.2e})"
 
 
 @pytest.fixture(scope="module")
