@@ -33,7 +33,9 @@ wait is normally long over. Freed instead with `record_stream`, the memory would
 unusable until the caching allocator, on the host, saw the copy finish, and the host runs
 ahead of the GPU by most of a forward: measured, the step's peak did not fall at all. A
 storage comes back on the fetch stream into memory allocated on the compute stream, which
-waits for it where it is unpacked. When a block's backward has finished (a gradient hook on
+waits for it where it is unpacked, so that memory too is freed in the compute stream's order.
+One never unpacked (a backward that raised or stopped early) is held until the next forward
+starts and the compute stream has waited for the fetch stream. When a block's backward has finished (a gradient hook on
 its input), the storages of the `FETCH_AHEAD` blocks below it start back; a storage unpacked
 before its fetch began is fetched then and counted in `late_fetches`. On a CPU there is no
 stream and nothing to pin: a storage is copied to another host buffer and read back from it,
@@ -126,6 +128,7 @@ class ActivationOffload:
         self._by_address: dict[int, _Stored] = {}
         self._unreleased: dict[int, list[_Stored]] = {}  # per offloaded block, what still holds device memory
         self._to_fetch: dict[int, list[_Stored]] = {}  # per offloaded block, what has not started back
+        self._unread: dict[int, _Stored] = {}  # fetched, not unpacked yet: their copies may still be running
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._pre_forward_hook(index))
 
@@ -151,7 +154,8 @@ class ActivationOffload:
                 return
             if index == 0:
                 self.bytes_offloaded = 0
-                self._to_fetch.clear()  # a forward without backward (e.g. validation) left these
+                self._to_fetch.clear()  # a forward without backward left these
+                self._drop_unread()
             if index < self.count:
                 self._enter_block(index, module, args)
             else:
@@ -192,6 +196,12 @@ class ActivationOffload:
                 torch.cuda.current_stream(self._device).wait_event(stored[-1].offloaded)
             for item in stored:
                 item.source = None
+
+    def _drop_unread(self) -> None:
+        """Free what the last backward fetched but never read, once its copies are done."""
+        if self._unread and self._fetch_stream is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._fetch_stream)
+        self._unread.clear()
 
     def _finished_hook(self, index: int):
         def hook(grad: torch.Tensor) -> None:
@@ -236,6 +246,7 @@ class ActivationOffload:
             self._fetch(stored)
         if stored.arrived is not None:
             torch.cuda.current_stream(self._device).wait_event(stored.arrived)
+        self._unread.pop(id(stored), None)  # from here freed in the compute stream's order
         view = torch.empty(0, dtype=packed.dtype, device=self._device)
         return view.set_(stored.back.untyped_storage(), packed.offset, packed.size, packed.stride)
 
@@ -257,13 +268,12 @@ class ActivationOffload:
         if stored.back is not None:
             return
         host, stored.host = stored.host, None
+        self._unread[id(stored)] = stored
         if self._fetch_stream is None:
             stored.back = host
             return
         compute = torch.cuda.current_stream(self._device)
         back = torch.empty(host.numel(), dtype=torch.uint8, device=self._device)  # in the compute stream's pool
-        # Freed unread (a backward that fails or stops early), its memory must wait for the copy.
-        back.record_stream(self._fetch_stream)
         self._fetch_stream.wait_stream(compute)  # whatever last used this memory is done
         self._fetch_stream.wait_event(stored.offloaded)
         with torch.cuda.stream(self._fetch_stream):
@@ -275,7 +285,10 @@ class ActivationOffload:
 
 def release_lag(count: int) -> int:
     """How many blocks after an offloaded block the block is whose start releases its device
-    memory: twice the offloaded blocks, as each block's copy takes about two blocks' forward."""
+    memory. The offloaded blocks' copies run one after another on one stream, each about two
+    blocks' forward, so the last of them ends about 2 x count + 1 blocks into forward: waiting
+    for any of them from then on costs nothing. (A lag per block, about 2b + 3 for block b,
+    would release the first blocks sooner; not measured.)"""
     return 2 * count + 2
 
 

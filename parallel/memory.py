@@ -359,7 +359,8 @@ def estimate_memory(
     (parallel/activation_offload.py); they come back only near the end of backward, when the
     blocks after them have freed more, so they leave every phase that holds activations.
     Their device memory is released some blocks into forward: `offload_unreleased`, the most
-    block activations forward holds beyond those of its end, adds a phase where that is more.
+    block activations forward holds beyond those of its end, adds a phase where that is more
+    (the blocks' own working set left out, as in the other forward phase).
     """
     a, tokens = act_inputs.compute_bytes, act_inputs.tokens
     loss_fwd, loss_saved, loss_bwd = loss_bytes(
@@ -397,8 +398,11 @@ def estimate_memory(
     # made both gradients in forward.
     head_grads = 0 if fused_head else head_gradient_bytes(
         tokens, head_rows, act.head_in_features, compute_bytes=a, weight=not head.gathered)
+    # Within the blocks: what comes after them (the final norm, the head's input and its cast
+    # copy) does not exist yet; a block is gathered, the next one prefetched.
     unreleased_phase = [Phase("forward: offloaded blocks not yet released", {
-        **running, "activations": activations + offload_unreleased, "gathered parameters": kept + block.gathered,
+        **running, "activations": activations + offload_unreleased - act.outside_blocks - head.compute_copies,
+        "gathered parameters": 2 * block.gathered,
     })] if offload_unreleased else []
     phases = [
         *unreleased_phase,

@@ -7,14 +7,14 @@ import sysconfig
 
 import pytest
 
-PROJECT_LOGGERS = ("trainer", "parallel", "models", "__main__")
-
 
 @pytest.fixture(autouse=True)
 def restore_project_loggers():
     """A test that calls trainer.main.main() leaves setup_logging's handler on the project's
     loggers with propagation off, which hides every later test's records from caplog: put each
     logger back as the test found it, so that the suite's result does not depend on its order."""
+    from trainer.main import PROJECT_LOGGERS
+
     loggers = [logging.getLogger(name) for name in PROJECT_LOGGERS]
     saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
     yield

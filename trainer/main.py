@@ -59,13 +59,16 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
+PROJECT_LOGGERS = ("trainer", "parallel", "models", "__main__")  # the loggers setup_logging configures
+
+
 def setup_logging(rank: int, level: str = "info") -> None:
     """Rank 0 logs at `level` (env WEFT_LOG_LEVEL wins), every other rank at WARNING, so that a
     run on 512 ranks prints each message once and still shows a problem of any one rank."""
     chosen = os.environ.get(LOG_LEVEL_ENV, level).upper() if rank == 0 else "WARNING"
     handler = _StdoutHandler()
     handler.setFormatter(_Formatter(rank))
-    for name in ("trainer", "parallel", "models", "__main__"):
+    for name in PROJECT_LOGGERS:
         lg = logging.getLogger(name)
         lg.handlers = [handler]
         lg.setLevel(getattr(logging, chosen, logging.INFO))

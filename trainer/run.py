@@ -353,8 +353,9 @@ def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
             "activation_checkpoint.offload_blocks needs compile.strategy = 'blocks' or compile.enable = false: "
             "under whole-model compile the saved activations are handed over only after the whole forward."
         )
-    # Backend "eager" runs dynamo's graph without AOTAutograd: a checkpoint in it is an eager one.
-    one_autograd_node = c.enable and "model" in c.components and c.backend != "eager"
+    # The "eager" backends (eager, eager_debug, eager_noexcept) run dynamo's graph without
+    # AOTAutograd: a checkpoint in it is an eager one.
+    one_autograd_node = c.enable and "model" in c.components and not c.backend.startswith("eager")
     try:
         kinds = block_kinds(n_layers, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls, ac.per_block)[:n]
     except ValueError as e:
@@ -363,7 +364,7 @@ def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
         raise ConfigError(
             f"activation_checkpoint.offload_blocks = {n} with eager checkpointed blocks: checkpointing keeps their "
             "activations where offloading cannot reach them; compile the blocks (compile.enable = true, "
-            "strategy 'blocks', a backend other than 'eager') or leave the offloaded blocks unwrapped "
+            "strategy 'blocks', a backend with AOTAutograd such as 'inductor') or leave the offloaded blocks unwrapped "
             "(mode 'per_block' with none:N first)."
         )
 
