@@ -35,9 +35,10 @@ ahead of the GPU by most of a forward: measured, the step's peak did not fall at
 storage comes back on the fetch stream into memory allocated on the compute stream, which
 waits for it where it is unpacked, so that memory too is freed in the compute stream's order.
 One never unpacked (a backward that raised or stopped early) is held until the next forward
-starts and the compute stream has waited for the fetch stream. When a block's backward has finished (a gradient hook on
-its input), the storages of the `FETCH_AHEAD` blocks below it start back; a storage unpacked
-before its fetch began is fetched then and counted in `late_fetches`. On a CPU there is no
+starts and the compute stream has waited for the fetch stream. When a block's backward has
+finished (a gradient hook on its input), the storages of the `FETCH_AHEAD` blocks below it
+start back; a storage unpacked before its fetch began is fetched then and counted in
+`late_fetches`. On a CPU there is no
 stream and nothing to pin: a storage is copied to another host buffer and read back from it,
 and released on the same schedule, which keeps the bookkeeping under test.
 """

@@ -37,16 +37,16 @@ OFFLOAD_WORLD2 = {
 }
 
 
-def _model(kind: str, compiled: bool):
+def _model(kind: str, compiled: bool, n_layers: int = N_LAYERS):
     from models.llama3.args import flavor_args
     from models.llama3.model import Transformer
     from parallel.activation_checkpoint import apply_activation_checkpointing
 
-    args = dataclasses.replace(flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ), n_layers=N_LAYERS)
+    args = dataclasses.replace(flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ), n_layers=n_layers)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    apply_activation_checkpointing(model.layers, "per_block", "op", per_block=f"{kind}:{N_LAYERS}")
+    apply_activation_checkpointing(model.layers, "per_block", "op", per_block=f"{kind}:{n_layers}")
     if compiled:
         for block in model.layers.values():
             block.compile(backend="inductor", fullgraph=True, dynamic=False)
@@ -56,12 +56,13 @@ def _model(kind: str, compiled: bool):
 class _Watched:
     """An ActivationOffload whose pack hook and offloads are observed."""
 
-    def __init__(self, model):
+    def __init__(self, model, count: int = OFFLOADED):
         from parallel.activation_offload import ActivationOffload
 
-        self.offload = ActivationOffload(model.layers, OFFLOADED, torch.device("cpu"), min_bytes=0)
+        self.offload = ActivationOffload(model.layers, count, torch.device("cpu"), min_bytes=0)
         self.packed_in: list[int | None] = []  # the block each pack ran in
         self.sources: list[StorageWeakRef] = []  # each offloaded storage
+        self.source_blocks: list[int] = []  # the block that saved it
         self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.offloaded_addresses: list[int] = []
         pack, offload = self.offload._pack, self.offload._offload
@@ -72,6 +73,7 @@ class _Watched:
 
         def watched_offload(storage):
             self.sources.append(StorageWeakRef(storage))
+            self.source_blocks.append(self.offload._block)
             self.offloaded_addresses.append(storage.data_ptr())
             return offload(storage)
 
@@ -233,31 +235,18 @@ def test_forward_with_many_blocks_offloaded_is_counted_before_their_release():
 def test_device_memory_is_released_on_the_counted_schedule(n_layers, count):
     """What the dry run assumes (blocks_on_device_in_forward) is what the hooks do: at each
     block's start, the offloaded blocks whose storages are still alive are the ones it lists."""
-    from models.llama3.args import flavor_args
-    from models.llama3.model import Transformer
-    from parallel.activation_offload import ActivationOffload, blocks_on_device_in_forward
+    from parallel.activation_offload import blocks_on_device_in_forward
 
-    args = dataclasses.replace(flavor_args("tinymodel", vocab_size=VOCAB, max_seq_len=SEQ), n_layers=n_layers)
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
-    offload = ActivationOffload(model.layers, count, torch.device("cpu"), min_bytes=0)
-    sources: dict[int, list[StorageWeakRef]] = {}
-    offload_storage = offload._offload
-
-    def watched_offload(storage):
-        sources.setdefault(offload._block, []).append(StorageWeakRef(storage))
-        return offload_storage(storage)
-
-    offload._offload = watched_offload
+    model = _model("none", compiled=False, n_layers=n_layers)
+    watched = _Watched(model, count)
     seen = []
 
     def record(module, args):  # registered after the offload's hook: sees what it left
-        seen.append([b for b, refs in sorted(sources.items()) if any(not r.expired() for r in refs)])
+        seen.append(sorted({b for b, ref in zip(watched.source_blocks, watched.sources) if not ref.expired()}))
 
     for block in model.layers.values():
         block.register_forward_pre_hook(record)
-    with offload.scope():
+    with watched.offload.scope():
         model(torch.randint(0, VOCAB, (2, SEQ)))
     expected = [[b for b in alive if b < count and b < j] for j, alive in
                 enumerate(blocks_on_device_in_forward(count, n_layers))]

@@ -108,21 +108,22 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
     state = state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype)
     # Cast copies: the built layout's, minus its unwrapped blocks', plus those of the layout asked about.
     block_casts = [cast_copy_bytes(block, run.param_dtype) for block in block_modules]
-    outside_casts = sum(u.compute_copies for u in units) - sum(c for c, k in zip(block_casts, kinds) if k == "none")
 
+    def kept_casts(block_kinds: list[str]) -> list[int]:
+        """Each block's cast copies autograd keeps: only an unwrapped block keeps them."""
+        return [cast if kind == "none" else 0 for cast, kind in zip(block_casts, block_kinds)]
+
+    outside_casts = sum(u.compute_copies for u in units) - sum(kept_casts(kinds))
     offload = cfg.activation_checkpoint.offload_blocks
-
-    def block_activation_bytes(block_kinds: list[str]) -> list[int]:
-        """Each block's activations, its kept cast copy included."""
-        return [spec.activation_bytes(run.model_args, inputs, [kind]).blocks + (cast if kind == "none" else 0)
-                for kind, cast in zip(block_kinds, block_casts)]
+    per_kind = {kind: spec.activation_bytes(run.model_args, inputs, [kind]).blocks for kind in BLOCK_KINDS}
 
     def offloaded_bytes(block_kinds: list[str]) -> tuple[int, int]:
-        """The first `offload` blocks' activations, and how many more bytes of block activations
-        forward holds on the device at its worst than at its end (offloaded blocks not released yet)."""
+        """The first `offload` blocks' activations (cast copies included), and how many more
+        bytes of block activations forward holds on the device at its worst than at its end
+        (offloaded blocks not released yet)."""
         if not offload:
             return 0, 0
-        sizes = block_activation_bytes(block_kinds)
+        sizes = [per_kind[kind] + cast for kind, cast in zip(block_kinds, kept_casts(block_kinds))]
         at_end = sum(sizes[offload:])
         worst = max(sum(sizes[b] for b in alive) for alive in blocks_on_device_in_forward(offload, len(sizes)))
         return sum(sizes[:offload]), max(worst - at_end, 0)
@@ -142,7 +143,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
             foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
             fused_head=run.fused_head_loss,
-            cast_copies=outside_casts + sum(c for c, k in zip(block_casts, block_kinds) if k == "none"),
+            cast_copies=outside_casts + sum(kept_casts(block_kinds)),
             offloaded=offloaded,
             offload_unreleased=unreleased,
         )
