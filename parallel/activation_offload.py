@@ -293,6 +293,13 @@ def release_lag(count: int) -> int:
     return 2 * count + 2
 
 
+def most_useful_count(n_blocks: int) -> int:
+    """The most blocks worth offloading: with more, forward holds more blocks at once before it
+    releases the offloaded ones (2 x count + 2, `release_lag`) than the n_blocks - count it
+    ends with, so each further block frees less than it moves."""
+    return max((n_blocks - 2) // 3, 0)
+
+
 def blocks_on_device_in_forward(count: int, n_blocks: int) -> list[list[int]]:
     """For each block in forward order, the blocks whose saved activations are on the device
     while it runs, itself included: with `count` offloaded, the schedule the dry run counts

@@ -173,7 +173,7 @@ def test_dry_run_names_the_per_block_layout_that_fits(gib, kinds):
     argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
             "--training.local_batch_size", "2", "--comm.dry_run_gpu_memory_gib", str(gib)]
     p = plan(load_config(argv), 1)
-    layout, fitting = p.fitting_layout
+    layout, fitting = p.fitting_layout.layout, p.fitting_layout.estimate
     assert [part.split(":")[0] for part in layout.split(",")] == list(kinds), layout
     assert f"activation_checkpoint.mode = 'per_block', per_block = '{layout}'" in format_plan(p)
     as_layout = ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block"]
@@ -182,7 +182,46 @@ def test_dry_run_names_the_per_block_layout_that_fits(gib, kinds):
                                  + [kinds[1]] * int(layout.split(",")[1].split(":")[1]))
     assert built.memory.peak.total == fitting.peak.total <= 0.9 * gib * 2**30
     assert plan(load_config([*argv, *as_layout, _bumped(layout)]), 1).memory.peak.total > 0.9 * gib * 2**30
-    assert plan(load_config([*argv, "--activation_checkpoint.mode", "none"]), 1).fitting_layout[0] == layout
+    assert plan(load_config([*argv, "--activation_checkpoint.mode", "none"]), 1).fitting_layout.layout == layout
+
+
+def test_dry_run_names_the_fewest_offloaded_blocks_that_save_more():
+    """Per-block compiled 3B in torchtitan's op-SAC memory: offloading the first blocks lets
+    every block save every matmul output. The plan names the fewest offloaded blocks that do:
+    planned so, the layout has the same peak within 90% of the GPU, and with one block fewer
+    offloaded it does not fit. Eager checkpointed blocks cannot be offloaded, so an eager run's
+    plan names no such layout."""
+    gib = 76.2
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--comm.dry_run_gpu_memory_gib", str(gib)]
+    p = plan(load_config(argv), 1)
+    offloading = p.offload_layout
+    assert offloading.layout == "op_all:28" and offloading.saved > p.fitting_layout.saved, offloading
+    count = offloading.offload_blocks
+    assert 0 < count <= (28 - 2) // 3
+    assert (f"with activation offload: activation_checkpoint.offload_blocks = {count}, per_block = 'op_all:28'"
+            in format_plan(p))
+
+    def planned(offload: int):
+        layout = ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", "op_all:28"]
+        return plan(load_config([*argv, *layout, "--activation_checkpoint.offload_blocks", str(offload)]), 1)
+
+    as_named = planned(count)
+    assert as_named.memory.peak.total == offloading.estimate.peak.total <= 0.9 * gib * 2**30
+    assert _printed_bytes(format_plan(as_named), "activations") + offloading.offloaded_bytes == _printed_bytes(
+        format_plan(planned(0)), "activations")
+    assert planned(count - 1).memory.peak.total > 0.9 * gib * 2**30
+    assert plan(load_config([*argv, "--compile.enable", "false"]), 1).offload_layout is None
+
+
+def test_dry_run_names_no_offload_layout_where_offload_saves_nothing_more():
+    """With memory for nearly no checkpointing, the plan without offload already saves more than
+    any layout offload may use (offloaded layouts stop at op_all, every matmul saved)."""
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--training.local_batch_size", "2", "--comm.dry_run_gpu_memory_gib", "100"]
+    p = plan(load_config(argv), 1)
+    assert p.fitting_layout.layout.startswith("none:") and p.offload_layout is None
+    assert "with activation offload" not in format_plan(p)
 
 
 def test_dry_run_says_when_no_layout_fits():

@@ -13,14 +13,14 @@ the real run would refuse is refused the same way, in one line, with exit code 2
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch.distributed as dist
 from torch import nn
 
 from parallel.activation_checkpoint import BLOCK_KINDS, checkpoint_kind
-from parallel.activation_offload import blocks_on_device_in_forward
+from parallel.activation_offload import blocks_on_device_in_forward, most_useful_count
 from parallel.compile import fuses_loss
 from parallel.data_parallel import cast_views
 from parallel.memory import (
@@ -40,11 +40,31 @@ from trainer.comm import init_fake_process_group
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.optim import optimizer_implementation
-from trainer.run import ResolvedRun, resolve_run, target_device_type
+from trainer.run import ResolvedRun, offload_reaches_every_block, resolve_run, target_device_type
 
 
 # The share of GPU memory the estimated peak may take and still "fit": the allocator reserves more.
 FITS = 0.9
+# The kinds a layout found with activation offload may use. Offload buys back recompute; past
+# "op_all" (every matmul output saved) a block saves only the elementwise recompute, for about
+# 1.7x the activations through the host link (3B, seq 8192, local batch 2: 1.60 against 0.95 GiB).
+OFFLOAD_KINDS = BLOCK_KINDS[:BLOCK_KINDS.index("op_all") + 1]
+
+
+@dataclass(frozen=True)
+class FittingLayout:
+    """A per_block layout whose estimated peak fits the GPU the dry run was given."""
+    layout: str  # activation_checkpoint.per_block
+    kinds: tuple[str, ...]
+    estimate: MemoryEstimate
+    offload_blocks: int = 0
+    offloaded_bytes: int = 0  # the offloaded blocks' activations, to host memory and back each step
+
+    @property
+    def saved(self) -> int:
+        """How much the layout saves: BLOCK_KINDS climb from least to most saved, so a higher sum
+        recomputes less."""
+        return sum(BLOCK_KINDS.index(kind) for kind in self.kinds)
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,8 @@ class DryRunPlan:
     memory: MemoryEstimate
     num_params: int
     flops_per_token: float
-    fitting_layout: tuple[str, MemoryEstimate] | None = None  # with comm.dry_run_gpu_memory_gib only
+    fitting_layout: FittingLayout | None = None  # with comm.dry_run_gpu_memory_gib only
+    offload_layout: FittingLayout | None = None  # one that saves more by offloading the first blocks
 
 
 def world_size_for(cfg: JobConfig) -> int:
@@ -114,10 +135,9 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         return [cast if kind == "none" else 0 for cast, kind in zip(block_casts, block_kinds)]
 
     outside_casts = sum(u.compute_copies for u in units) - sum(kept_casts(kinds))
-    offload = cfg.activation_checkpoint.offload_blocks
     per_kind = {kind: spec.activation_bytes(run.model_args, inputs, [kind]).blocks for kind in BLOCK_KINDS}
 
-    def offloaded_bytes(block_kinds: list[str]) -> tuple[int, int]:
+    def offloaded_bytes(block_kinds: list[str], offload: int) -> tuple[int, int]:
         """The first `offload` blocks' activations (cast copies included), and how many more
         bytes of block activations forward holds on the device at its worst than at its end
         (offloaded blocks not released yet)."""
@@ -128,8 +148,8 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         worst = max(sum(sizes[b] for b in alive) for alive in blocks_on_device_in_forward(offload, len(sizes)))
         return sum(sizes[:offload]), max(worst - at_end, 0)
 
-    def estimate(block_kinds: list[str]) -> MemoryEstimate:
-        offloaded, unreleased = offloaded_bytes(block_kinds)
+    def estimate(block_kinds: list[str], offload: int) -> MemoryEstimate:
+        offloaded, unreleased = offloaded_bytes(block_kinds, offload)
         return estimate_memory(
             state,
             units,
@@ -148,39 +168,59 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
             offload_unreleased=unreleased,
         )
 
-    fitting = None
+    def fitting_with(offload: int, kinds_to_try: tuple[str, ...] = BLOCK_KINDS) -> FittingLayout | None:
+        found = _most_memory_that_fits(lambda block_kinds: estimate(block_kinds, offload), len(kinds),
+                                       cfg.comm.dry_run_gpu_memory_gib * GIB, kinds_to_try)
+        if found is None or not offload:
+            return found
+        return replace(found, offload_blocks=offload, offloaded_bytes=offloaded_bytes(list(found.kinds), offload)[0])
+
+    configured = cfg.activation_checkpoint.offload_blocks
+    fitting = offloading = None
     if cfg.comm.dry_run_gpu_memory_gib:
-        fitting = _most_memory_that_fits(estimate, len(kinds), cfg.comm.dry_run_gpu_memory_gib * GIB)
-    return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds, memory=estimate(kinds),
-                      num_params=model.num_params(), flops_per_token=model.flops_per_token(cfg.training.seq_len),
-                      fitting_layout=fitting)
+        fitting = fitting_with(configured)
+        if offload_reaches_every_block(cfg.compile):
+            counts = range(1, most_useful_count(len(kinds)) + 1)
+            offloading = _most_saved([fitting_with(count, OFFLOAD_KINDS) for count in counts])
+            if offloading is not None and fitting is not None and offloading.saved <= fitting.saved:
+                offloading = None
+    return DryRunPlan(run=run, groups=parameter_groups(model), units=units, block_kinds=kinds,
+                      memory=estimate(kinds, configured), num_params=model.num_params(),
+                      flops_per_token=model.flops_per_token(cfg.training.seq_len),
+                      fitting_layout=fitting, offload_layout=offloading)
+
+
+def _most_saved(candidates: list[FittingLayout | None]) -> FittingLayout | None:
+    """The candidate that saves the most; of equals, the first (the fewest blocks offloaded:
+    each costs host-link time and pinned memory): `max` returns the first of equals."""
+    return max((c for c in candidates if c is not None), key=lambda c: c.saved, default=None)
 
 
 def _most_memory_that_fits(estimate: Callable[[list[str]], MemoryEstimate], n_blocks: int,
-                           gpu_bytes: float) -> tuple[str, MemoryEstimate] | None:
+                           gpu_bytes: float, kinds_to_try: tuple[str, ...] = BLOCK_KINDS) -> FittingLayout | None:
     """The `activation_checkpoint.per_block` layout that saves the most activations (so
     backward recomputes the least) and whose peak still fits in 90% of `gpu_bytes` (the
     "fits" line), with its estimate; None if not even full AC on every block fits.
 
-    Kinds climb `BLOCK_KINDS` (full, op, op_all, none): every block takes the highest kind
-    that fits on all of them, then as many blocks as fit take the next one."""
+    Kinds climb `kinds_to_try` (a prefix of BLOCK_KINDS: full, op, op_all, none): every block
+    takes the highest kind that fits on all of them, then as many blocks as fit take the next one."""
     def layout_of(upper: str, k: int, lower: str) -> list[str]:
         return [upper] * k + [lower] * (n_blocks - k)
 
     def fits(kinds: list[str]) -> bool:
         return estimate(kinds).peak.total <= FITS * gpu_bytes
 
-    levels = [kind for kind in BLOCK_KINDS if fits([kind] * n_blocks)]
+    levels = [kind for kind in kinds_to_try if fits([kind] * n_blocks)]
     if not levels:
         return None
     lower = levels[-1]
     kinds = [lower] * n_blocks
-    if lower != BLOCK_KINDS[-1]:
-        upper = BLOCK_KINDS[BLOCK_KINDS.index(lower) + 1]
+    if lower != kinds_to_try[-1]:
+        upper = kinds_to_try[kinds_to_try.index(lower) + 1]
         k = max(k for k in range(n_blocks) if fits(layout_of(upper, k, lower)))
         kinds = layout_of(upper, k, lower)
     layout = ",".join(f"{kind}:{kinds.count(kind)}" for kind in dict.fromkeys(kinds))
-    return layout, estimate(kinds)
+    return FittingLayout(layout, tuple(kinds), estimate(kinds))
 
 
 def dry_run(cfg: JobConfig) -> int:
@@ -282,12 +322,18 @@ def format_plan(p: DryRunPlan) -> str:
         lines.append(f"  {verdict} {c.dry_run_gpu_memory_gib:g} GiB per GPU ({share:.0%}; the allocator reserves more "
                      "than it hands out: keep 10% or more free)")
     if p.fitting_layout is not None:
-        layout, fitting = p.fitting_layout
-        lines.append(f"  the most activations that fit: activation_checkpoint.mode = 'per_block', per_block = '{layout}' "
-                     f"(peak {_gib(fitting.peak.total)}; the more saved, the less backward recomputes)")
+        fitting = p.fitting_layout
+        lines.append(f"  the most activations that fit: activation_checkpoint.mode = 'per_block', "
+                     f"per_block = '{fitting.layout}' (peak {_gib(fitting.estimate.peak.total)}; the more saved, "
+                     "the less backward recomputes)")
     elif c.dry_run_gpu_memory_gib:
         lines.append(f"  not even full activation checkpointing on every block fits in {FITS:.0%} of it: "
                      "shard more (data_parallel_shard_degree, tensor_parallel_degree) or lower the local batch")
+    if p.offload_layout is not None:
+        offloading = p.offload_layout
+        lines.append(f"  with activation offload: activation_checkpoint.offload_blocks = {offloading.offload_blocks}, "
+                     f"per_block = '{offloading.layout}' (peak {_gib(offloading.estimate.peak.total)}; "
+                     f"{_gib(offloading.offloaded_bytes)} to host memory and back each step; docs/compile_and_ac.md)")
     over_shard, over_replicate = _dp_traffic(p)
     lines += ["", f"data-parallel traffic per rank per step: {_gib(over_shard)} over dp_shard (all-gathers, "
                   f"reduce-scatter), {_gib(over_replicate)} over dp_replicate (all-reduce)"]

@@ -23,7 +23,7 @@ from parallel.activation_checkpoint import block_kinds, parse_per_block
 from parallel.data_parallel import resolve_engine, traceable
 from parallel.mesh import ParallelConfigError, ParallelDims
 from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
-from trainer.config import DTYPES, JobConfig
+from trainer.config import DTYPES, Compile, JobConfig
 from trainer.errors import CheckpointError, ConfigError
 from trainer.initial_load import resolve_initial_load
 from trainer.tokenizer import Tokenizer, build_tokenizer
@@ -337,6 +337,14 @@ def _check_model_dependent(cfg: JobConfig, model_args: Any) -> None:
         )
 
 
+def offload_reaches_every_block(c: Compile) -> bool:
+    """Whether activation offload can take any block's activations, checkpointed or not: a block
+    compiled per block through AOTAutograd is one autograd node, whose saved tensors the offload
+    hooks see. The "eager" backends (eager, eager_debug, eager_noexcept) run dynamo's graph
+    without AOTAutograd, so a checkpoint in it is an eager one, whose tensors they do not see."""
+    return c.enable and "model" in c.components and c.strategy == "blocks" and not c.backend.startswith("eager")
+
+
 def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
     """activation_checkpoint.offload_blocks: the hooks it relies on see a block's saved tensors
     only where the block is one compiled node or runs eagerly without checkpointing
@@ -353,14 +361,11 @@ def _check_activation_offload(cfg: JobConfig, n_layers: int) -> None:
             "activation_checkpoint.offload_blocks needs compile.strategy = 'blocks' or compile.enable = false: "
             "under whole-model compile the saved activations are handed over only after the whole forward."
         )
-    # The "eager" backends (eager, eager_debug, eager_noexcept) run dynamo's graph without
-    # AOTAutograd: a checkpoint in it is an eager one.
-    one_autograd_node = c.enable and "model" in c.components and not c.backend.startswith("eager")
     try:
         kinds = block_kinds(n_layers, ac.mode, ac.selective_ac_option, ac.op_sac_matmuls, ac.per_block)[:n]
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not one_autograd_node and any(kind != "none" for kind in kinds):
+    if not offload_reaches_every_block(c) and any(kind != "none" for kind in kinds):
         raise ConfigError(
             f"activation_checkpoint.offload_blocks = {n} with eager checkpointed blocks: checkpointing keeps their "
             "activations where offloading cannot reach them; compile the blocks (compile.enable = true, "
