@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from models import get_model_spec
 from parallel.tensor_parallel import apply_tensor_parallel
 from tests.dist_utils import ROOT
+from tests.test_activation_offload import _plan_3b_op_all
 from trainer.config import load_config
 from trainer.dry_run import format_plan, plan
 from trainer.main import main
@@ -202,15 +203,11 @@ def test_dry_run_names_the_fewest_offloaded_blocks_that_save_more():
     assert (f"with activation offload: activation_checkpoint.offload_blocks = {count}, per_block = 'op_all:28'"
             in format_plan(p))
 
-    def planned(offload: int):
-        layout = ["--activation_checkpoint.mode", "per_block", "--activation_checkpoint.per_block", "op_all:28"]
-        return plan(load_config([*argv, *layout, "--activation_checkpoint.offload_blocks", str(offload)]), 1)
-
-    as_named = planned(count)
+    as_named = _plan_3b_op_all(count)
     assert as_named.memory.peak.total == offloading.estimate.peak.total <= 0.9 * gib * 2**30
     assert _printed_bytes(format_plan(as_named), "activations") + offloading.offloaded_bytes == _printed_bytes(
-        format_plan(planned(0)), "activations")
-    assert planned(count - 1).memory.peak.total > 0.9 * gib * 2**30
+        format_plan(_plan_3b_op_all(0)), "activations")
+    assert _plan_3b_op_all(count - 1).memory.peak.total > 0.9 * gib * 2**30
     assert plan(load_config([*argv, "--compile.enable", "false"]), 1).offload_layout is None
 
 

@@ -161,10 +161,9 @@ def test_one_process_fused_follows_the_separate_head(references):
 def test_two_processes_fused_follows_the_separate_head(world2, references, name):
     records = world2[" ".join(HEAD_LOSS_WORLD2[name])]
     assert_close_runs(references[8], records, name, COMPILED_TOLERANCE if "compiled" in name else TOLERANCE)
-    if "compiled" not in name:
-        return
-    last = records[-1]
-    assert last["graph_breaks"] == 0 and last["recompiles_after_warmup"] == 0, name
-    if "whole model" in name:
-        assert last["unique_graphs"] == 1, name
+    if "compiled" in name:
+        last = records[-1]
+        assert last["graph_breaks"] == 0 and last["recompiles_after_warmup"] == 0, name
+        if "whole model" in name:
+            assert last["unique_graphs"] == 1, name
 
