@@ -11,7 +11,9 @@ Here the cast sends its gradient, unwidened, to a per-parameter *sink*: a leaf t
 parameter's shape in the compute dtype whose storage is one element (all strides 0), so it
 costs nothing while autograd accumulates the gradient into `sink.grad` as it would into a
 bf16 parameter's. The optimizer step widens the gradients to fp32 a bounded group at a time
-(`materialized`), which is the widening the cast's backward used to do, moved, not added.
+(`materialized`), which is the widening the cast's backward used to do, moved, not added; an
+optimizer that reads bf16 gradients itself (`gradient_of`, trainer/triton_adamw.py) skips
+the widening altogether, and the step can then run unit by unit (trainer/overlapped_step.py).
 Numerically this is FSDP2's mixed precision: FSDP2 also holds the unsharded gradient in
 `param_dtype` and widens it only to reduce it.
 
@@ -79,6 +81,23 @@ class CompactGradients:
     def gradients(self) -> list[torch.Tensor]:
         """The gradients held now, in the compute dtype."""
         return [s.grad for s in self.sinks.values() if s.grad is not None]
+
+    def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s gradient as held: its sink's, in the compute dtype, else its own `.grad`
+        (where `torch.distributed.checkpoint` puts zeros to create the optimizer state). For an
+        optimizer that reads gradients in any dtype (trainer/triton_adamw.py), which then needs
+        no `materialized()` widening."""
+        sink = self.sinks.get(param)
+        held = sink.grad if sink is not None else None
+        return held if held is not None else param.grad
+
+    def release(self, params: list[nn.Parameter]) -> None:
+        """Drop the gradients of `params`, held in their sinks or in `.grad`."""
+        for p in params:
+            p.grad = None
+            sink = self.sinks.get(p)
+            if sink is not None:
+                sink.grad = None
 
     def materialized(self, others: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
         """Yield groups of parameters whose `.grad` is set to the fp32 gradient, one group at a time.

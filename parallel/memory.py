@@ -139,15 +139,19 @@ class StateBytes:
     step_group: int = 0  # parameter bytes one optimizer.step() call updates (all, or a compact group)
 
 
-def state_bytes(model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None) -> StateBytes:
+def state_bytes(
+    model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None, widens: bool = True
+) -> StateBytes:
     """State of `model`'s parameters; gradients of the `compact` ones are held in `compute_dtype`
-    until the step, which widens them to fp32 one group at a time (parallel/compact_gradients.py)."""
+    until the step, which widens them to fp32 one group at a time (parallel/compact_gradients.py),
+    unless the optimizer reads them as they are (`widens=False`: the Triton AdamW)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     nbytes = lambda tensors: sum(local_numel(p) * p.dtype.itemsize for p in tensors)  # noqa: E731
     compact_ids = {id(p) for p in compact}
     narrow = sum(local_numel(p) * (p.dtype.itemsize - compute_dtype.itemsize) for p in compact if p.requires_grad)
     widened = max((nbytes(group) for group in step_groups([p for p in trainable if id(p) in compact_ids])), default=0)
+    widened = widened if widens else 0
     # With compact gradients the step runs once for the parameters with an ordinary `.grad`,
     # then once per widened group.
     step_group = max(widened, nbytes(p for p in trainable if id(p) not in compact_ids))

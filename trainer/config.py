@@ -60,7 +60,7 @@ class Optimizer:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay
-    implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for-loop
+    implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for-loop | triton (GPU: one Triton kernel per parameter; reads compact gradients as held)
     overlap_step: str = "auto"  # step each unit on a side stream during the next forward (dp = 1); auto = on where it applies on a GPU | on | off
 
 
@@ -213,7 +213,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CHOICES: dict[str, tuple[str, ...]] = {
     "job.log_level": ("debug", "info", "warning"),
     "optimizer.name": ("AdamW",),
-    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
+    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop", "triton"),
     "optimizer.overlap_step": ("auto", "on", "off"),
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
     "training.mixed_precision_param": ("auto", "float32", "bfloat16"),  # fp16 would need loss scaling

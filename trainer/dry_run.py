@@ -126,7 +126,9 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         fused_norm=device_type == "cuda",
     )
     units = unit_bytes(spec.fsdp_units(model), model, run.param_dtype, run.reduce_dtype)
-    state = state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype)
+    implementation = optimizer_implementation(cfg.optimizer, device_type)
+    state = state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype,
+                        widens=implementation != "triton")
     # Cast copies: the built layout's, minus its unwrapped blocks', plus those of the layout asked about.
     block_casts = [cast_copy_bytes(block, run.param_dtype) for block in block_modules]
 
@@ -161,7 +163,7 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
             grad_accum_steps=run.grad_accum_steps,
             defer_reduce_scatter=cfg.parallelism.gradient_sync == "step",
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            foreach_optimizer=optimizer_implementation(cfg.optimizer, device_type) == "foreach",
+            foreach_optimizer=implementation == "foreach",
             fused_head=run.fused_head_loss,
             cast_copies=outside_casts + sum(kept_casts(block_kinds)),
             offloaded=offloaded,
@@ -295,7 +297,9 @@ def format_plan(p: DryRunPlan) -> str:
         f"  parameters            {s.params:>18,} B  {_gib(s.params):>12}",
         f"  gradients             {s.grads:>18,} B  {_gib(s.grads):>12}"
         + (f"  at the end of backward, compact (training.compact_gradients); widened to fp32 "
-           f"{_gib(s.widened_grads)} at a time by the step" if s.widened_grads else ""),
+           f"{_gib(s.widened_grads)} at a time by the step" if s.widened_grads else "")
+        + ("  at the end of backward, compact (training.compact_gradients); read as held by the "
+           "Triton AdamW" if run.compact_gradients and not s.widened_grads else ""),
         f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
         f"saved for backward" + (f", on the GPU (the first {offload_n} blocks' are held in host memory: "

@@ -12,28 +12,31 @@ from parallel.compact_gradients import CompactGradients
 from parallel.grad_clip import clip_grads_, global_norm
 from trainer.config import LRScheduler, Optimizer
 from trainer.overlapped_step import OverlappedStep
+from trainer.triton_adamw import TritonAdamW
 
 
 def optimizer_implementation(cfg: Optimizer, device_type: str) -> str:
-    """`optimizer.implementation` with "auto" resolved: fused on CUDA, foreach elsewhere."""
+    """`optimizer.implementation` with "auto" resolved: fused on CUDA, foreach elsewhere.
+    ("triton", trainer/triton_adamw.py, is chosen by name.)"""
     if cfg.implementation == "auto":
         return "fused" if device_type == "cuda" else "foreach"
     return cfg.implementation
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the trainable params (DTensors included): fused on CUDA, foreach on CPU."""
+def build_optimizer(
+    model: nn.Module, cfg: Optimizer, device: torch.device, compact: CompactGradients | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable params (DTensors included): fused on CUDA, foreach on CPU, or the
+    Triton AdamW, which reads compact gradients (`compact`) where they are held."""
     impl = optimizer_implementation(cfg, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
+    hyperparameters = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if impl == "triton":
+        optimizer = TritonAdamW(params, **hyperparameters)
+        if compact is not None:
+            optimizer.gradient_of = compact.gradient_of
+        return optimizer
+    return torch.optim.AdamW(params, fused=impl == "fused", foreach=impl == "foreach", **hyperparameters)
 
 
 @torch.no_grad()
@@ -55,27 +58,34 @@ def clip_and_step(
     separate clip by rounding only. Measured on an H200 (`scripts/bench_optimizer.py`): 42.1
     -> 38.7 ms per step at 3B, 93.0 -> 85.6 ms at 8B. Other implementations clip, then step.
 
+    The Triton AdamW (trainer/triton_adamw.py) takes the clip the same way, without writing
+    the divided gradients back.
+
     With `compact` (gradients held in the compute dtype, parallel/compact_gradients.py) the
-    norm is taken over what is held, and the step runs once per group of parameters whose
-    gradients it widens back to fp32: AdamW's update is elementwise, so stepping in groups
-    changes no bit, and only one group's fp32 gradients exist at a time.
+    norm is taken over what is held. The Triton AdamW reads them as they are; other
+    implementations step once per group of parameters whose gradients are widened back to
+    fp32: AdamW's update is elementwise, so stepping in groups changes no bit, and only one
+    group's fp32 gradients exist at a time.
 
     With `overlapped` (trainer/overlapped_step.py) the step is launched unit by unit and
     finishes during the next forward; the clip factor is computed here, before any unit steps.
     """
     loose = [p for p in parameters if p.grad is not None]
     norm = global_norm([p.grad for p in loose] + (compact.gradients() if compact is not None else []))
-    fold_clip = max_norm > 0 and bool(optimizer.defaults.get("fused"))
+    fold_clip = max_norm > 0 and (bool(optimizer.defaults.get("fused")) or isinstance(optimizer, TritonAdamW))
     if fold_clip:
         optimizer.grad_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reciprocal()
+    reads_compact = compact is not None and isinstance(optimizer, TritonAdamW)
     try:
-        for group in compact.materialized(loose) if compact is not None else [loose]:
+        for group in compact.materialized(loose) if compact is not None and not reads_compact else [loose]:
             if max_norm > 0 and not fold_clip:
                 clip_grads_(group, max_norm, norm)
             if overlapped is not None:
                 overlapped.step()
             else:
                 optimizer.step()
+        if reads_compact and overlapped is None:  # else each unit's next forward releases its gradients
+            compact.release(compact.parameters)
     finally:
         if fold_clip:
             del optimizer.grad_scale

@@ -25,12 +25,17 @@ their gradients are released as on a GPU (this is what the CPU tests exercise).
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from parallel.fsdp import FSDPUnit, unit_modules
+
+
+def _clear_grads(params: list[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = None
 
 
 class OverlappedStep:
@@ -39,12 +44,21 @@ class OverlappedStep:
     `units` are in forward order; parameters in no unit step with the first. Call `step()`
     where `optimizer.step()` would be (with `optimizer.grad_scale` set, if any), never
     `optimizer.zero_grad()` for these parameters (each unit's forward releases its
-    gradients), and `finish()` before anything else reads the parameters, the optimizer state
-    or the gradients: a checkpoint save, an export, the next backward.
+    gradients, through `release(params)`: by default it clears their `.grad`; compact
+    gradients pass `CompactGradients.release`), and `finish()` before anything else reads the
+    parameters, the optimizer state or the gradients: a checkpoint save, an export, the next
+    backward.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: Sequence[FSDPUnit], device: torch.device) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        units: Sequence[FSDPUnit],
+        device: torch.device,
+        release: Callable[[list[nn.Parameter]], None] | None = None,
+    ) -> None:
         self.optimizer = optimizer
+        self._release = release or _clear_grads
         modules_of_units = [unit_modules(unit) for unit in units]
         owner: dict[int, int] = {}
         for index, modules in enumerate(modules_of_units):
@@ -120,8 +134,7 @@ class OverlappedStep:
         if self._on_side_stream:
             torch.cuda.current_stream(self._stream.device).wait_event(self._events[index])
         for params in self._group_params[index]:
-            for p in params:
-                p.grad = None
+            self._release(params)
         if not any(self._pending):
             self._in_flight.clear()
 

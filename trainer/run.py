@@ -11,6 +11,7 @@ sections that need no resolution (optimizer, lr schedule, metrics, ...) are read
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
 from trainer.config import DTYPES, Compile, JobConfig
 from trainer.errors import CheckpointError, ConfigError
 from trainer.initial_load import resolve_initial_load
+from trainer.optim import optimizer_implementation
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         fused_head_loss=head_loss == "fused",
         compact_gradients=compact,
-        overlap_step=_overlap_step(cfg, dims, compact),
+        overlap_step=_overlap_step(cfg, dims, compact, _optimizer_implementation(cfg)),
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
         data_parallel_engine=engine,
@@ -151,11 +153,24 @@ def _compact_gradients(cfg: JobConfig, dims: ParallelDims, param_dtype: torch.dt
     return True
 
 
-def _overlap_step(cfg: JobConfig, dims: ParallelDims, compact_gradients: bool) -> bool:
+def _optimizer_implementation(cfg: JobConfig) -> str:
+    """optimizer.implementation resolved; the Triton AdamW needs a GPU and triton."""
+    implementation = optimizer_implementation(cfg.optimizer, target_device_type(cfg))
+    if implementation == "triton":
+        if target_device_type(cfg) != "cuda":
+            raise ConfigError("optimizer.implementation = 'triton' runs on a GPU; on a CPU use 'auto' (foreach).")
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("optimizer.implementation = 'triton' needs the triton package (it comes with "
+                              "torch's CUDA builds); install it, or use 'auto' (fused).")
+    return implementation
+
+
+def _overlap_step(cfg: JobConfig, dims: ParallelDims, compact_gradients: bool, optimizer_implementation: str) -> bool:
     """optimizer.overlap_step resolved. It applies without a data-parallel wrapper (dp = 1),
-    whose hooks would gather parameters before the step is waited for, without whole-model
-    compile, whose graph the per-unit wait would break, and without compact gradients, whose
-    step widens gradients group by group. "auto" turns it on where it applies on a GPU (on a
+    whose hooks would gather parameters before the step is waited for, and without
+    whole-model compile, whose graph the per-unit wait would break. With compact gradients it
+    needs the Triton AdamW, which reads them where they are held; other implementations widen
+    them group by group after backward. "auto" turns it on where it applies on a GPU (on a
     CPU there is nothing to overlap with); "on" where it does not is an error."""
     setting = cfg.optimizer.overlap_step
     if setting == "off":
@@ -164,7 +179,8 @@ def _overlap_step(cfg: JobConfig, dims: ParallelDims, compact_gradients: bool) -
     blockers = [
         (dims.dp > 1, f"data parallel degree {dims.dp} > 1 (it needs dp = 1)"),
         (c.enable and c.strategy == "model" and "model" in c.components, "compile.strategy = 'model'"),
-        (compact_gradients, "training.compact_gradients = true"),
+        (compact_gradients and optimizer_implementation != "triton",
+         "training.compact_gradients = true (unless optimizer.implementation = 'triton')"),
     ]
     reasons = [reason for blocked, reason in blockers if blocked]
     if setting == "on" and reasons:

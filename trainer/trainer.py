@@ -89,13 +89,14 @@ class Trainer:
             f"optimizer step: {'unit by unit, overlapped with the next forward' if run.overlap_step else 'after backward'}"
         )
 
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device)
         self.compact_gradients = None
         if run.compact_gradients:
             self.compact_gradients = compact_gradients(self.model, run.param_dtype)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device, self.compact_gradients)
         self.overlapped_step = None
         if run.overlap_step:
-            self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device)
+            release = self.compact_gradients.release if self.compact_gradients is not None else None
+            self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device, release)
         self.activation_offload = None
         if cfg.activation_checkpoint.offload_blocks:
             self.activation_offload = ActivationOffload(run.spec.blocks(self.model), cfg.activation_checkpoint.offload_blocks,

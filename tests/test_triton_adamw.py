@@ -1,0 +1,232 @@
+"""The Triton AdamW (trainer/triton_adamw.py) against torch's AdamW, in Triton's interpreter.
+
+The kernel runs on a CPU under `TRITON_INTERPRET=1`, which must be set before the kernel is
+first built, so the checks run in one fresh process (one start, not one per check). Reference: `torch.optim.AdamW` (for-loop,
+fp32) given the same gradients divided by the clip factor. Tolerance: each parameter within 1e-6
+of its tensor's largest element (8 fp32 units in the last place there) and each moment within
+1e-5, so a missing or wrong term fails (weight decay at lr 1e-2 moves a parameter by 1e-3 of
+itself; a bias correction changes the first update tenfold; a clip factor left out scales the
+moments), while fp32 rounding of two orderings of one formula (lerp against multiply-add, a
+division in the kernel against one before it) passes.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# requirements.txt installs triton where it has wheels (Linux); elsewhere there is nothing to run.
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="triton has Linux wheels only")
+
+_PRELUDE = textwrap.dedent("""
+    import torch
+    from trainer.triton_adamw import BLOCK, TritonAdamW
+
+    HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    SHAPES = [(3, 5), (BLOCK + 7,), (0,), (2, BLOCK)]  # a partial last block, an empty shard, two full blocks
+
+    def close(a, b, what, tolerance):
+        if b.numel() == 0:
+            return
+        worst = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        assert worst < tolerance, f"{what}: {worst:.2e} of its largest element"
+
+    def check(triton_opt, params, ref_opt, ref):
+        for i, (p, r) in enumerate(zip(params, ref)):
+            close(p.detach(), r.detach(), f"parameter {i}", 1e-6)
+            for key in ("exp_avg", "exp_avg_sq"):
+                close(triton_opt.state[p][key], ref_opt.state[r][key], f"{key} of parameter {i}", 1e-5)
+            assert triton_opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
+""")
+
+_STEPS = _PRELUDE + textwrap.dedent("""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = TritonAdamW(params, **HP)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    for step, (divisor, dtype) in enumerate([(1.0, torch.float32), (3.0, torch.float32), (2.0, torch.bfloat16)]):
+        grads = [torch.randn(s).to(dtype) for s in SHAPES]
+        held = {p: g for p, g in zip(params, grads)}
+        opt.gradient_of = held.get  # gradients in their own dtype, as compact gradients hold them
+        opt.grad_scale = torch.tensor(divisor)
+        for r, g in zip(ref, grads):
+            r.grad = g.float() / divisor
+        opt.step()
+        ref_opt.step()
+        check(opt, params, ref_opt, ref)
+""")
+
+_RESUME = _PRELUDE + textwrap.dedent("""
+    import copy
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    for _ in range(2):
+        for r in ref:
+            r.grad = torch.randn(r.shape)
+        ref_opt.step()
+    # A checkpoint of torch's AdamW resumes into the Triton AdamW, and the next step agrees.
+    params = [torch.nn.Parameter(r.detach().clone()) for r in ref]
+    opt = TritonAdamW(params, **HP)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # a loaded state shares no tensor with the saved one
+    for p, r in zip(params, ref):
+        p.grad = torch.randn(p.shape)
+        r.grad = p.grad.clone()
+    opt.step()
+    ref_opt.step()
+    check(opt, params, ref_opt, ref)
+    assert set(opt.state_dict()["state"][0]) == set(ref_opt.state_dict()["state"][0])
+""")
+
+
+
+
+
+
+_COMPACT_OVERLAPPED = textwrap.dedent("""
+    import torch
+    from parallel.data_parallel import compact_gradients
+    from tests.test_overlapped_step import STEPS, VOCAB, _model, _units
+    from trainer.config import Optimizer
+    from trainer.optim import build_optimizer, clip_and_step
+    from trainer.overlapped_step import OverlappedStep
+
+    def train(implementation, overlap, steps=STEPS):
+        model = _model(compiled=False)  # fp32 parameters cast to bf16 at use
+        compact = compact_gradients(model, torch.bfloat16)
+        cfg = Optimizer(lr=1e-2, implementation=implementation)
+        optimizer = build_optimizer(model, cfg, torch.device("cpu"), compact)
+        overlapped = OverlappedStep(optimizer, _units(model), torch.device("cpu"), compact.release) if overlap else None
+        data = torch.Generator().manual_seed(1)
+        norms = []
+        for _ in range(steps):
+            tokens = torch.randint(0, VOCAB, (2, 33), generator=data)
+            logits = model(tokens[:, :-1])
+            if overlapped is not None:
+                overlapped.finish()
+                assert not compact.gradients(), "every unit's forward released its compact gradients"
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+            norms.append(clip_and_step(optimizer, model.parameters(), 0.05, compact, overlapped).item())
+            if overlapped is None:
+                assert not compact.gradients(), "the step released the compact gradients"
+                optimizer.zero_grad(set_to_none=True)  # as the trainer does
+        if overlapped is not None:
+            overlapped.finish()
+        return [p.detach().clone() for p in model.parameters()], norms
+
+    # Unit by unit is the same kernel on the same values as all at once: bit for bit.
+    after_backward, after_backward_norms = train("triton", overlap=False)
+    params, norms = train("triton", overlap=True)
+    assert min(norms) > 0.05, "clipping must be active for the test to cover it"
+    assert norms == after_backward_norms
+    assert all(torch.equal(got, want) for got, want in zip(params, after_backward))
+    # Reading bf16 gradients is widening them first: one step from the same start agrees with
+    # the for-loop AdamW on the widened gradients to fp32 rounding (later steps cast parameters
+    # that differ by that rounding to bf16, which can round the other way).
+    reference, _ = train("for-loop", overlap=False, steps=1)
+    params, _ = train("triton", overlap=True, steps=1)
+    for i, (got, want) in enumerate(zip(params, reference)):
+        worst = ((got - want).abs().max() / want.abs().max()).item()
+        assert worst < 1e-6, f"parameter {i}: {worst:.2e} of its largest element"
+""")
+
+
+_STATE_DICT_BEFORE_A_STEP = textwrap.dedent("""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from parallel.data_parallel import compact_gradients
+    from tests.test_overlapped_step import _model
+    from trainer.config import Optimizer
+    from trainer.optim import build_optimizer
+
+    model = _model(compiled=False)
+    compact = compact_gradients(model, torch.bfloat16)
+    optimizer = build_optimizer(model, Optimizer(implementation="triton"), torch.device("cpu"), compact)
+    # What a checkpoint save or a resume does before the first step: torch creates the state
+    # by stepping zero gradients it puts in `.grad` (at lr 0).
+    state = get_optimizer_state_dict(model, optimizer)["state"]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert sorted(state) == sorted(names), (len(state), len(names))
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
+""")
+
+
+_CHECKS = {
+    "steps": _STEPS,
+    "resume": _RESUME,
+    "state_dict_before_a_step": _STATE_DICT_BEFORE_A_STEP,
+    "compact_overlapped": _COMPACT_OVERLAPPED,
+}
+
+_DRIVER = textwrap.dedent("""
+    import json, os, sys, traceback
+    os.environ["TRITON_INTERPRET"] = "1"
+    results = {}
+    for name, body in json.loads(sys.stdin.read()).items():
+        try:
+            exec(compile(body, name, "exec"), {"__name__": name})
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Each check's outcome: "ok", or its traceback."""
+    result = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(_CHECKS), capture_output=True,
+                            text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_steps_match_torch_adamw_with_clip_factor_and_bf16_gradients(interpreted):
+    assert interpreted["steps"] == "ok", interpreted["steps"]
+
+
+def test_resumes_from_torch_adamw_state(interpreted):
+    assert interpreted["resume"] == "ok", interpreted["resume"]
+
+
+def test_optimizer_state_is_created_for_a_checkpoint_before_the_first_step(interpreted):
+    assert interpreted["state_dict_before_a_step"] == "ok", interpreted["state_dict_before_a_step"]
+
+
+def test_compact_gradients_read_in_bf16_step_unit_by_unit_like_widened_ones(interpreted):
+    """The trainer's wiring: compact gradients, read by the Triton AdamW where they are held and
+    released unit by unit by the overlapped step, train as after backward, and step as the
+    for-loop AdamW does on the widened gradients."""
+    assert interpreted["compact_overlapped"] == "ok", interpreted["compact_overlapped"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], False),  # the fused AdamW widens compact gradients after backward: no overlap
+    (["--optimizer.implementation", "triton"], True),
+])
+def test_compact_gradients_overlap_only_with_the_triton_adamw(tmp_path, overrides, expected):
+    from trainer.config import load_config
+    from trainer.run import resolve_run
+
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       "--comm.mode", "fake_backend",  # resolves as on a GPU
+                       "--training.mixed_precision_param", "bfloat16", "--training.compact_gradients", "true",
+                       *overrides])
+    run = resolve_run(cfg, world_size=1)
+    assert run.compact_gradients and run.overlap_step is expected
+
+
+def test_triton_on_a_cpu_is_one_config_error(tmp_path):
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+    from trainer.run import resolve_run
+
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       "--optimizer.implementation", "triton"])
+    with pytest.raises(ConfigError, match="optimizer.implementation = 'triton' runs on a GPU"):
+        resolve_run(cfg, world_size=1)

@@ -1,0 +1,126 @@
+"""AdamW with one Triton kernel per parameter, which never writes a gradient back.
+
+Why: the AdamW step is memory-bound (fp32 parameter, gradient and two moments read, three
+written: 28 bytes a parameter) and torch's fused AdamW moves those bytes at 3.4 TB/s on an
+H200, where a plain copy reaches 4.3 TB/s (scripts/bench_optimizer.py, docs/performance.md).
+With a clip factor (`grad_scale`, trainer/optim.py) the fused kernel also writes every
+divided gradient back, 4 bytes a parameter more that nothing reads. This kernel is one
+elementwise pass per parameter that reads the gradient in whatever dtype it was made in,
+divides it by the clip factor in registers, and writes only the parameter and the moments.
+
+It is `torch.optim.AdamW` in everything but the step: the same param groups, hyper-parameters
+and per-parameter state (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints move between it and
+the fused, foreach and for-loop implementations. The update is AdamW's (decoupled weight
+decay, bias-corrected moments, `eps` added after the square root) in fp32; it differs from
+torch's kernels by rounding only (tests/test_triton_adamw.py, in Triton's interpreter on a
+CPU). `amsgrad`, `maximize` and complex parameters are not supported; the trainer uses none.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# Elements per program: 4,096 fp32 elements of four tensors is 64 KiB read per program, enough
+# to keep an H200's memory system busy with 8 warps.
+BLOCK = 4096
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, compiled on first use (triton is imported only here: CPU-only
+    installs may lack it, and `TRITON_INTERPRET=1` must be set before this first call to run
+    it in Triton's interpreter)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_kernel(
+        param, grad, exp_avg, exp_avg_sq, grad_divisor, numel,
+        beta1, beta2, eps, decay, step_size, bias_correction2_sqrt,
+        BLOCK: tl.constexpr,
+    ):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        g = tl.load(grad + offsets, mask=mask).to(tl.float32) / tl.load(grad_divisor)
+        p = tl.load(param + offsets, mask=mask) * decay
+        m = tl.load(exp_avg + offsets, mask=mask)
+        v = tl.load(exp_avg_sq + offsets, mask=mask)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+        p = p - step_size * m / denom
+        tl.store(param + offsets, p, mask=mask)
+        tl.store(exp_avg + offsets, m, mask=mask)
+        tl.store(exp_avg_sq + offsets, v, mask=mask)
+
+    return triton.cdiv, adamw_kernel
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` whose step is one Triton launch per parameter.
+
+    `grad_scale`, when set (a one-element tensor), divides every gradient as it is read: the
+    hand-off `torch.amp.GradScaler` uses for fused optimizers, which `clip_and_step` uses for
+    the clip factor. `gradient_of(param)` says where a parameter's gradient is; by default its
+    `.grad`, whatever its dtype.
+    """
+
+    takes_grad_scale = True
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **hyperparameters) -> None:
+        super().__init__(params, foreach=False, fused=False, **hyperparameters)
+        if self.defaults["amsgrad"] or self.defaults["maximize"]:
+            raise ValueError("the Triton AdamW supports neither amsgrad nor maximize")
+        self.gradient_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        elif state["step"].device.type != "cpu":
+            # Loaded from a fused optimizer's checkpoint (a device tensor): counted on the host
+            # from here on, so reading it never waits for the GPU.
+            state["step"] = state["step"].cpu()
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise ValueError("the Triton AdamW takes no closure")
+        cdiv, kernel = _kernel()
+        divisor = getattr(self, "grad_scale", None)
+        if divisor is not None:
+            divisor = _local(divisor)
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            decay = 1.0 - lr * group["weight_decay"]
+            for param in group["params"]:
+                grad = self.gradient_of(param)
+                if grad is None:
+                    continue
+                state = self._state(param)
+                state["step"] += 1
+                step = state["step"].item()
+                p, g = _local(param), _local(grad)
+                m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                if not all(t.is_contiguous() for t in (p, g, m, v)):
+                    raise ValueError("the Triton AdamW needs contiguous parameters, gradients and moments")
+                if p.numel() == 0:  # an empty shard
+                    continue
+                if divisor is None:
+                    divisor = torch.ones((), device=p.device)
+                kernel[(cdiv(p.numel(), BLOCK),)](
+                    p, g, m, v, divisor, p.numel(),
+                    beta1, beta2, eps, decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+                    BLOCK=BLOCK, num_warps=8,
+                )
