@@ -40,19 +40,23 @@ def _kernel():
     @triton.jit
     def adamw_kernel(
         param, grad, exp_avg, exp_avg_sq, grad_divisor, numel,
-        beta1, beta2, eps, decay, step_size, bias_correction2_sqrt,
+        beta1, beta2, eps, lr_weight_decay, step_size, bias_correction2_sqrt,
         BLOCK: tl.constexpr,
     ):
+        # The order of torch's fused kernel (ATen's fused_adam_utils.cuh), with IEEE-rounded
+        # division and square root as nvcc compiles them there (Triton's `/` and `tl.sqrt`
+        # are approximate).
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
-        g = tl.load(grad + offsets, mask=mask).to(tl.float32) / tl.load(grad_divisor)
-        p = tl.load(param + offsets, mask=mask) * decay
+        g = tl.div_rn(tl.load(grad + offsets, mask=mask).to(tl.float32), tl.load(grad_divisor))
+        p = tl.load(param + offsets, mask=mask)
         m = tl.load(exp_avg + offsets, mask=mask)
         v = tl.load(exp_avg_sq + offsets, mask=mask)
+        p = p - lr_weight_decay * p
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
-        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-        p = p - step_size * m / denom
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
         tl.store(param + offsets, p, mask=mask)
         tl.store(exp_avg + offsets, m, mask=mask)
         tl.store(exp_avg_sq + offsets, v, mask=mask)
@@ -103,7 +107,7 @@ class TritonAdamW(torch.optim.AdamW):
             divisor = _local(divisor)
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            decay = 1.0 - lr * group["weight_decay"]
+            lr_weight_decay = lr * group["weight_decay"]
             for param in group["params"]:
                 grad = self.gradient_of(param)
                 if grad is None:
@@ -121,6 +125,6 @@ class TritonAdamW(torch.optim.AdamW):
                     divisor = torch.ones((), device=p.device)
                 kernel[(cdiv(p.numel(), BLOCK),)](
                     p, g, m, v, divisor, p.numel(),
-                    beta1, beta2, eps, decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+                    beta1, beta2, eps, lr_weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
                     BLOCK=BLOCK, num_warps=8,
                 )
