@@ -77,8 +77,6 @@ class TritonAdamW(torch.optim.AdamW):
     `.grad`, whatever its dtype.
     """
 
-    takes_grad_scale = True
-
     def __init__(self, params: Iterable[torch.nn.Parameter], **hyperparameters) -> None:
         super().__init__(params, foreach=False, fused=False, **hyperparameters)
         if self.defaults["amsgrad"] or self.defaults["maximize"]:
