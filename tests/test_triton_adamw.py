@@ -206,7 +206,7 @@ def test_compact_gradients_read_in_bf16_step_unit_by_unit_like_widened_ones(inte
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ([], False),  # the fused AdamW widens compact gradients after backward: no overlap
+    (["--optimizer.implementation", "fused"], False),  # it widens compact gradients after backward: no overlap
     (["--optimizer.implementation", "triton"], True),
 ])
 def test_compact_gradients_overlap_only_with_the_triton_adamw(tmp_path, overrides, expected):
@@ -230,3 +230,16 @@ def test_triton_on_a_cpu_is_one_config_error(tmp_path):
                        "--optimizer.implementation", "triton"])
     with pytest.raises(ConfigError, match="optimizer.implementation = 'triton' runs on a GPU"):
         resolve_run(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("device_type, installed, expected", [
+    ("cuda", True, "triton"),
+    ("cuda", False, "fused"),
+    ("cpu", True, "foreach"),
+])
+def test_auto_is_the_triton_adamw_on_cuda_where_triton_is_installed(monkeypatch, device_type, installed, expected):
+    import trainer.optim
+    from trainer.config import Optimizer
+
+    monkeypatch.setattr(trainer.optim, "triton_available", lambda: installed)
+    assert trainer.optim.optimizer_implementation(Optimizer(), device_type) == expected

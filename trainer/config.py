@@ -60,7 +60,7 @@ class Optimizer:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.1  # decoupled weight decay
-    implementation: str = "auto"  # auto (fused on CUDA, foreach on CPU) | fused | foreach | for-loop | triton (GPU: one Triton kernel per parameter; reads compact gradients as held)
+    implementation: str = "auto"  # auto (triton on CUDA where installed, else fused; foreach on CPU) | fused | foreach | for-loop | triton (GPU: one Triton kernel per parameter; reads compact gradients as held)
     overlap_step: str = "auto"  # step each unit on a side stream during the next forward (dp = 1); auto = on where it applies on a GPU | on | off
 
 

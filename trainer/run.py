@@ -11,7 +11,6 @@ sections that need no resolution (optimizer, lr schedule, metrics, ...) are read
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from trainer.checkpoint import complete_steps, read_trainer_state, step_dir
 from trainer.config import DTYPES, Compile, JobConfig
 from trainer.errors import CheckpointError, ConfigError
 from trainer.initial_load import resolve_initial_load
-from trainer.optim import optimizer_implementation
+from trainer.optim import optimizer_implementation, triton_available
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -159,9 +158,9 @@ def _optimizer_implementation(cfg: JobConfig) -> str:
     if implementation == "triton":
         if target_device_type(cfg) != "cuda":
             raise ConfigError("optimizer.implementation = 'triton' runs on a GPU; on a CPU use 'auto' (foreach).")
-        if importlib.util.find_spec("triton") is None:
+        if not triton_available():
             raise ConfigError("optimizer.implementation = 'triton' needs the triton package (it comes with "
-                              "torch's CUDA builds); install it, or use 'auto' (fused).")
+                              "torch's CUDA builds); install it, or use 'fused'.")
     return implementation
 
 

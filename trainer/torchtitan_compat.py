@@ -133,7 +133,7 @@ TABLE: dict[str, Key] = {
     "optimizer.beta2": SUPPORTED,
     "optimizer.eps": SUPPORTED,
     "optimizer.weight_decay": SUPPORTED,
-    "optimizer.implementation": supported("weft's default is auto: fused on CUDA, foreach on CPU"),
+    "optimizer.implementation": supported("weft's default is auto: its Triton AdamW on CUDA (fused without triton), foreach on CPU"),
     "optimizer.early_step_in_backward": neutral(False, "weft steps the optimizer after backward, with gradient clipping"),
     # [lr_scheduler]
     "lr_scheduler.warmup_steps": SUPPORTED,
