@@ -83,10 +83,43 @@ _RESUME = _PRELUDE + textwrap.dedent("""
     assert set(opt.state_dict()["state"][0]) == set(ref_opt.state_dict()["state"][0])
 """)
 
-
-
-
-
+_LAYOUTS = _PRELUDE + textwrap.dedent("""
+    import copy
+    torch.manual_seed(0)
+    # A transposed parameter, stepped with gradients laid out otherwise (contiguous), then resumed
+    # from contiguous moments (what a checkpoint loads): the kernel walks all four at the same offsets.
+    params = [torch.nn.Parameter(torch.randn(BLOCK + 7, 3).t()), torch.nn.Parameter(torch.randn(1, 6))]
+    assert not params[0].is_contiguous()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = TritonAdamW(params, **HP)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
+    for _ in range(2):
+        for p, r in zip(params, ref):
+            p.grad = torch.randn(p.shape)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+        check(opt, params, ref_opt, ref)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    saved = copy.deepcopy(opt.state_dict())
+    for s in saved["state"].values():
+        s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].contiguous(), s["exp_avg_sq"].contiguous()
+    opt = TritonAdamW(resumed, **HP)
+    opt.load_state_dict(saved)
+    for p, r in zip(resumed, ref):
+        p.grad = torch.randn(p.shape).t().contiguous().t() if p.dim() == 2 else torch.randn(p.shape)
+        r.grad = p.grad.clone()
+    opt.step()
+    ref_opt.step()
+    check(opt, resumed, ref_opt, ref)
+    # A sliced view does not fill its memory: refused when the optimizer is built, not mid-run.
+    try:
+        TritonAdamW([torch.nn.Parameter(torch.randn(4, 6)[:, :3])], **HP)
+    except ValueError as e:
+        assert "optimizer.implementation = 'fused'" in str(e)
+    else:
+        raise AssertionError("a sliced parameter was accepted")
+""")
 
 _COMPACT_OVERLAPPED = textwrap.dedent("""
     import torch
@@ -159,6 +192,7 @@ _STATE_DICT_BEFORE_A_STEP = textwrap.dedent("""
 _CHECKS = {
     "steps": _STEPS,
     "resume": _RESUME,
+    "layouts": _LAYOUTS,
     "state_dict_before_a_step": _STATE_DICT_BEFORE_A_STEP,
     "compact_overlapped": _COMPACT_OVERLAPPED,
 }
@@ -192,6 +226,10 @@ def test_steps_match_torch_adamw_with_clip_factor_and_bf16_gradients(interpreted
 
 def test_resumes_from_torch_adamw_state(interpreted):
     assert interpreted["resume"] == "ok", interpreted["resume"]
+
+
+def test_transposed_parameters_and_gradients_of_another_layout(interpreted):
+    assert interpreted["layouts"] == "ok", interpreted["layouts"]
 
 
 def test_optimizer_state_is_created_for_a_checkpoint_before_the_first_step(interpreted):

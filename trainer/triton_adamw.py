@@ -14,6 +14,10 @@ the fused, foreach and for-loop implementations. The update is AdamW's (decouple
 decay, bias-corrected moments, `eps` added after the square root) in fp32; it differs from
 torch's kernels by rounding only (tests/test_triton_adamw.py, in Triton's interpreter on a
 CPU). `amsgrad`, `maximize` and complex parameters are not supported; the trainer uses none.
+The kernel walks a parameter, its gradient and moments as flat memory at the same offsets, so
+a parameter must fill its memory (contiguous, or its dims permuted; FSDP2 and tensor-parallel
+shards are contiguous), and a gradient or loaded moment laid out otherwise is copied into the
+parameter's layout first.
 """
 
 from __future__ import annotations
@@ -68,6 +72,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory without gaps or overlaps, in some order of its dims
+    (contiguous, or e.g. transposed): then an elementwise update can walk that memory flat."""
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the same element sits at the same offset in `a` and `b` (a size-1 dim's stride is
+    never used)."""
+    return all(a.stride(d) == b.stride(d) for d in range(a.dim()) if a.size(d) > 1)
+
+
+def _laid_out_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it with `like`'s strides: the kernel reads every tensor of a parameter
+    at the same flat offsets."""
+    if _same_layout(t, like):
+        return t
+    return torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 class TritonAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step is one Triton launch per parameter.
 
@@ -81,6 +106,9 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, foreach=False, fused=False, **hyperparameters)
         if self.defaults["amsgrad"] or self.defaults["maximize"]:
             raise ValueError("the Triton AdamW supports neither amsgrad nor maximize")
+        if not all(_dense(_local(p)) for group in self.param_groups for p in group["params"]):
+            raise ValueError("the Triton AdamW steps parameters whose elements fill their memory (no sliced "
+                             "views); set optimizer.implementation = 'fused'")
         self.gradient_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
 
     def _state(self, param: torch.Tensor) -> dict:
@@ -89,10 +117,15 @@ class TritonAdamW(torch.optim.AdamW):
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif state["step"].device.type != "cpu":
-            # Loaded from a fused optimizer's checkpoint (a device tensor): counted on the host
-            # from here on, so reading it never waits for the GPU.
-            state["step"] = state["step"].cpu()
+        else:
+            if state["step"].device.type != "cpu":
+                # Loaded from a fused optimizer's checkpoint (a device tensor): counted on the
+                # host from here on, so reading it never waits for the GPU.
+                state["step"] = state["step"].cpu()
+            if not isinstance(param, DTensor):
+                # A loaded moment may be laid out unlike a transposed parameter: matched once.
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = _laid_out_like(state[key], param)
         return state
 
     @torch.no_grad()
@@ -113,12 +146,13 @@ class TritonAdamW(torch.optim.AdamW):
                 state = self._state(param)
                 state["step"] += 1
                 step = state["step"].item()
-                p, g = _local(param), _local(grad)
-                m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                if not all(t.is_contiguous() for t in (p, g, m, v)):
-                    raise ValueError("the Triton AdamW needs contiguous parameters, gradients and moments")
+                p, m, v = _local(param), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 if p.numel() == 0:  # an empty shard
                     continue
+                if not (_same_layout(m, p) and _same_layout(v, p)):
+                    raise ValueError("the Triton AdamW needs each parameter's moments laid out as the parameter; "
+                                     "set optimizer.implementation = 'fused'")
+                g = _laid_out_like(_local(grad), p)
                 if divisor is None:
                     divisor = torch.ones((), device=p.device)
                 kernel[(cdiv(p.numel(), BLOCK),)](
