@@ -281,3 +281,27 @@ def test_auto_is_the_triton_adamw_on_cuda_where_triton_is_installed(monkeypatch,
 
     monkeypatch.setattr(trainer.optim, "triton_available", lambda: installed)
     assert trainer.optim.optimizer_implementation(Optimizer(), device_type) == expected
+
+
+def test_triton_without_triton_or_a_compiler_is_one_config_error(tmp_path, monkeypatch):
+    import trainer.run
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(trainer.run, "triton_available", lambda: False)
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       "--comm.mode", "fake_backend", "--optimizer.implementation", "triton"])
+    with pytest.raises(ConfigError, match="needs the triton package .* and a C compiler"):
+        trainer.run.resolve_run(cfg, world_size=1)
+
+
+def test_triton_is_not_available_without_a_c_compiler(monkeypatch):
+    """Triton builds its kernel launcher with a C compiler at first use; without one, `auto`
+    must pick torch's fused AdamW rather than fail at the first step."""
+    import trainer.optim
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(trainer.optim.shutil, "which", lambda name: None)
+    assert not trainer.optim.triton_available()
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    assert trainer.optim.triton_available()

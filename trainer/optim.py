@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import shutil
 from typing import Iterable
 
 import torch
@@ -17,14 +19,17 @@ from trainer.triton_adamw import TritonAdamW
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton kernels can be built here: triton is installed, and a C compiler is found
+    where triton looks for one (it builds its kernel launcher with it at first use)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    return importlib.util.find_spec("triton") is not None and compiler is not None
 
 
 def optimizer_implementation(cfg: Optimizer, device_type: str) -> str:
     """`optimizer.implementation` with "auto" resolved: on CUDA the Triton AdamW
     (trainer/triton_adamw.py; it moved the 3B step's bytes 12-19% faster than torch's fused
-    kernel on an H100, docs/performance.md), or torch's fused AdamW where triton is not
-    installed; foreach elsewhere."""
+    kernel on an H100, docs/performance.md), or torch's fused AdamW where Triton kernels cannot
+    be built; foreach elsewhere."""
     if cfg.implementation == "auto":
         if device_type != "cuda":
             return "foreach"

@@ -160,7 +160,7 @@ def _optimizer_implementation(cfg: JobConfig) -> str:
             raise ConfigError("optimizer.implementation = 'triton' runs on a GPU; on a CPU use 'auto' (foreach).")
         if not triton_available():
             raise ConfigError("optimizer.implementation = 'triton' needs the triton package (it comes with "
-                              "torch's CUDA builds); install it, or use 'fused'.")
+                              "torch's CUDA builds) and a C compiler (gcc, clang, or $CC); install them, or use 'fused'.")
     return implementation
 
 
