@@ -86,14 +86,17 @@ def test_step_groups_bound_the_widened_bytes():
 
 
 def test_dry_run_counts_compact_gradients():
-    """The planner counts 2 bytes per compact gradient and the largest widened group at the step."""
+    """The planner counts 2 bytes per compact gradient and, for an optimizer that reads fp32
+    gradients, the largest widened group at the step."""
     from trainer.config import load_config
     from trainer.dry_run import format_plan, plan
 
     argv = ["--job.config_file", "train_configs/llama3_8b.toml", "--comm.mode", "fake_backend",
-            "--activation_checkpoint.mode", "full"]
+            "--activation_checkpoint.mode", "full", "--optimizer.implementation", "fused"]
     plain = format_plan(plan(load_config(argv), 1))
     compact = format_plan(plan(load_config([*argv, "--training.compact_gradients", "true"]), 1))
+    read_as_held = format_plan(plan(load_config([*argv, "--training.compact_gradients", "true",
+                                                 "--optimizer.implementation", "triton"]), 1))
     total, table = 8_030_261_248, 128_256 * 4_096  # 8B's parameters, the embedding table's
     assert f"gradients                 {4 * total:,} B" in plain
     assert "backward: the end            119.66 GiB  <- peak" in plain
@@ -101,6 +104,10 @@ def test_dry_run_counts_compact_gradients():
     assert f"gradients                 {2 * (total - table) + 4 * table:,} B" in compact
     assert "widened to fp32 1.96 GiB at a time" in compact  # the head's fp32 gradient, the largest group
     assert "optimizer step               107.64 GiB  <- peak" in compact
+    # The Triton AdamW reads them in bf16: no widened group, the step no higher than backward's end.
+    assert "read as held by the Triton AdamW" in read_as_held and "widened" not in read_as_held
+    assert "backward: the end            105.68 GiB  <- peak" in read_as_held
+    assert "optimizer step               105.68 GiB\n" in read_as_held
 
 
 def test_training_run_with_compact_gradients_logs_the_same_losses(tmp_path, corpus):
