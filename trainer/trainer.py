@@ -36,7 +36,7 @@ from trainer.errors import NonFiniteError
 from trainer.export import export_hf
 from trainer.initial_load import load_hf_weights
 from trainer.metrics import MetricsLogger
-from trainer.optim import build_lr_scheduler, build_optimizer, clip_and_step
+from trainer.optim import build_lr_scheduler, build_optimizer, clip_and_step, optimizer_implementation
 from trainer.overlapped_step import OverlappedStep
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import maybe_memory_snapshot, maybe_profile
@@ -86,7 +86,8 @@ class Trainer:
             f"param dtype {run.param_dtype}, global batch {run.global_batch_size} "
             f"({run.grad_accum_steps} micro-batch(es) of {cfg.training.local_batch_size} per rank), data parallel: "
             f"{describe_data_parallel(run.data_parallel_engine, cfg.parallelism.data_parallel_engine, run.dims.dp)}, "
-            f"optimizer step: {'unit by unit, overlapped with the next forward' if run.overlap_step else 'after backward'}"
+            f"optimizer: {optimizer_implementation(cfg.optimizer, run.device.type)} AdamW, stepped "
+            f"{'unit by unit, overlapped with the next forward' if run.overlap_step else 'after backward'}"
         )
 
         self.compact_gradients = None
