@@ -41,6 +41,15 @@ _PRELUDE = textwrap.dedent("""
             for key in ("exp_avg", "exp_avg_sq"):
                 close(triton_opt.state[p][key], ref_opt.state[r][key], f"{key} of parameter {i}", 1e-5)
             assert triton_opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
+
+    def step_both(opt, params, ref_opt, ref, gradient=lambda p: torch.randn(p.shape)):
+        # The same fresh gradients into both optimizers' parameters, one step each, compared.
+        for p, r in zip(params, ref):
+            p.grad = gradient(p)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+        check(opt, params, ref_opt, ref)
 """)
 
 _STEPS = _PRELUDE + textwrap.dedent("""
@@ -74,12 +83,7 @@ _RESUME = _PRELUDE + textwrap.dedent("""
     params = [torch.nn.Parameter(r.detach().clone()) for r in ref]
     opt = TritonAdamW(params, **HP)
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # a loaded state shares no tensor with the saved one
-    for p, r in zip(params, ref):
-        p.grad = torch.randn(p.shape)
-        r.grad = p.grad.clone()
-    opt.step()
-    ref_opt.step()
-    check(opt, params, ref_opt, ref)
+    step_both(opt, params, ref_opt, ref)
     assert set(opt.state_dict()["state"][0]) == set(ref_opt.state_dict()["state"][0])
 """)
 
@@ -94,24 +98,15 @@ _LAYOUTS = _PRELUDE + textwrap.dedent("""
     opt = TritonAdamW(params, **HP)
     ref_opt = torch.optim.AdamW(ref, foreach=False, **HP)
     for _ in range(2):
-        for p, r in zip(params, ref):
-            p.grad = torch.randn(p.shape)
-            r.grad = p.grad.clone()
-        opt.step()
-        ref_opt.step()
-        check(opt, params, ref_opt, ref)
+        step_both(opt, params, ref_opt, ref)
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
     saved = copy.deepcopy(opt.state_dict())
     for s in saved["state"].values():
         s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].contiguous(), s["exp_avg_sq"].contiguous()
     opt = TritonAdamW(resumed, **HP)
     opt.load_state_dict(saved)
-    for p, r in zip(resumed, ref):
-        p.grad = torch.randn(p.shape).t().contiguous().t() if p.dim() == 2 else torch.randn(p.shape)
-        r.grad = p.grad.clone()
-    opt.step()
-    ref_opt.step()
-    check(opt, resumed, ref_opt, ref)
+    step_both(opt, resumed, ref_opt, ref, lambda p: torch.randn(p.shape).t().contiguous().t() if p.dim() == 2
+              else torch.randn(p.shape))
     # A sliced view does not fill its memory: refused when the optimizer is built, not mid-run.
     try:
         TritonAdamW([torch.nn.Parameter(torch.randn(4, 6)[:, :3])], **HP)
