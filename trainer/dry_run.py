@@ -296,10 +296,9 @@ def format_plan(p: DryRunPlan) -> str:
         "the rest is estimated: docs/planning.md says how and how well):",
         f"  parameters            {s.params:>18,} B  {_gib(s.params):>12}",
         f"  gradients             {s.grads:>18,} B  {_gib(s.grads):>12}"
-        + (f"  at the end of backward, compact (training.compact_gradients); widened to fp32 "
-           f"{_gib(s.widened_grads)} at a time by the step" if s.widened_grads else "")
-        + ("  at the end of backward, compact (training.compact_gradients); read as held by the "
-           "Triton AdamW" if run.compact_gradients and not s.widened_grads else ""),
+        + ("  at the end of backward, compact (training.compact_gradients); "
+           + (f"widened to fp32 {_gib(s.widened_grads)} at a time by the step" if s.widened_grads
+              else "read as held by the Triton AdamW") if run.compact_gradients else ""),
         f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
         f"saved for backward" + (f", on the GPU (the first {offload_n} blocks' are held in host memory: "

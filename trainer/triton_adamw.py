@@ -117,16 +117,26 @@ class TritonAdamW(torch.optim.AdamW):
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        else:
-            if state["step"].device.type != "cpu":
-                # Loaded from a fused optimizer's checkpoint (a device tensor): counted on the
-                # host from here on, so reading it never waits for the GPU.
-                state["step"] = state["step"].cpu()
-            if not isinstance(param, DTensor):
-                # A loaded moment may be laid out unlike a transposed parameter: matched once.
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = _laid_out_like(state[key], param)
         return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (also what `torch.distributed.checkpoint` calls), then each loaded state
+        made ready for the kernel once, off the step's path: its step counted on the host (a
+        fused optimizer's is a device tensor; read on the host, it never waits for the GPU), its
+        moments laid out as the parameter (a checkpoint's are contiguous)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if not state:
+                    continue
+                state["step"] = state["step"].cpu()
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if not isinstance(param, DTensor):
+                        state[key] = _laid_out_like(state[key], param)
+                    elif not _same_layout(_local(state[key]), _local(param)):
+                        raise ValueError("the Triton AdamW needs each parameter's moments laid out as the "
+                                         "parameter; set optimizer.implementation = 'fused'")
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
@@ -149,9 +159,6 @@ class TritonAdamW(torch.optim.AdamW):
                 p, m, v = _local(param), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 if p.numel() == 0:  # an empty shard
                     continue
-                if not (_same_layout(m, p) and _same_layout(v, p)):
-                    raise ValueError("the Triton AdamW needs each parameter's moments laid out as the parameter; "
-                                     "set optimizer.implementation = 'fused'")
                 g = _laid_out_like(_local(grad), p)
                 if divisor is None:
                     divisor = torch.ones((), device=p.device)
