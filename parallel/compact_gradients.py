@@ -17,6 +17,17 @@ the widening altogether, and the step can then run unit by unit (trainer/overlap
 Numerically this is FSDP2's mixed precision: FSDP2 also holds the unsharded gradient in
 `param_dtype` and widens it only to reduce it.
 
+Weight copies (`keep_copies`, `training.compute_weight_copies`): the sink can instead be a
+real compute-dtype copy of its parameter, which the cast's forward returns as it is. Forward
+then reads the copy and casts nothing, and autograd accumulates the gradient into `copy.grad`
+as into any sink. The copy must equal the cast bit for bit whenever forward runs: the Triton
+AdamW writes it in the same pass that updates the parameter (`copy_of`), and anything else
+that writes a parameter in place (initialization, a checkpoint load, another optimizer) bumps
+the parameter's version counter, so `refresh_copies()`, called before every forward, casts
+again exactly the parameters written since. The cost is 2 bytes per parameter held for the
+whole run; under no AC that is the memory the casts kept for backward took anyway at
+forward's end (the step's peak there), and the forward saves a 6-byte-per-parameter pass.
+
 Limits: one micro-batch per step (a second would sum into the held gradient in the compute
 dtype, where `param.grad` sums in fp32) and plain tensors (no tensor parallel), both checked
 where the run is resolved. Parameters without a cast (the embedding table, looked up in fp32
@@ -29,6 +40,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
+
+from parallel.torch_internals import version_counter
 
 # The fp32 gradients alive at once during the step: the largest parameter's, or this many
 # bytes of smaller ones.
@@ -67,16 +80,39 @@ def step_groups(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 class CompactGradients:
-    """The sinks of `parameters`: `sinks[i]` receives the gradient of `parameters[i]`'s cast to `dtype`."""
+    """The sinks of `parameters`: `sinks[p]` receives the gradient of `p`'s cast to `dtype`. With
+    `keep_copies`, each sink is also `p`'s value in `dtype`, which forward reads in place of the cast."""
 
-    def __init__(self, parameters: list[nn.Parameter], dtype: torch.dtype) -> None:
+    def __init__(self, parameters: list[nn.Parameter], dtype: torch.dtype, keep_copies: bool = False) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
         if len({id(p) for p in self.parameters}) != len(self.parameters):
             raise ValueError("a parameter read through two casts would sum its gradients in the compute dtype")
-        self.sinks = {
-            p: torch.empty_strided(p.shape, [0] * p.dim(), dtype=dtype, device=p.device).requires_grad_()
-            for p in self.parameters
-        }
+        self.keep_copies = keep_copies
+        if keep_copies:
+            # Laid out as the parameter: the Triton AdamW writes both at the same flat offsets.
+            self.sinks = {p: torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).requires_grad_()
+                          for p in self.parameters}
+        else:
+            self.sinks = {p: torch.empty_strided(p.shape, [0] * p.dim(), dtype=dtype, device=p.device).requires_grad_()
+                          for p in self.parameters}
+        self._copied_versions: dict[nn.Parameter, int] = {}
+
+    @torch.no_grad()
+    def refresh_copies(self) -> None:
+        """With `keep_copies`: cast again every parameter written in place since its copy was made
+        (its version counter moved; at first, all). Host-side bookkeeping only when none was: the Triton AdamW
+        writes the copies itself and leaves the counters as they were."""
+        if not self.keep_copies:
+            return
+        for p, copy in self.sinks.items():
+            version = version_counter(p)
+            if self._copied_versions.get(p) != version:
+                copy.copy_(p)
+                self._copied_versions[p] = version
+
+    def copy_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s compute-dtype copy, for the optimizer step to write, or None."""
+        return self.sinks.get(param) if self.keep_copies else None
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients held now, in the compute dtype."""

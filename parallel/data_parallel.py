@@ -60,15 +60,17 @@ def describe(engine: str, requested: str, dp: int) -> str:
 class CastView:
     """The parameter view of dp = 1: the stored fp32 parameter cast to the compute dtype at use
     (for a tp-replicated DTensor, its local tensor). One per parameter, so that its gradient
-    can be routed into the parameter's own sink (`compact_gradients`)."""
+    can be routed into the parameter's own sink (`compact_gradients`), or, where the sink is a
+    kept compute-dtype copy of the parameter, read from it without a cast."""
 
     def __init__(self, dtype: torch.dtype, local: bool) -> None:
         self.dtype, self.local = dtype, local
         self.sink: torch.Tensor | None = None
+        self.sink_is_copy = False
 
     def __call__(self, stored: torch.Tensor) -> torch.Tensor:
         if self.sink is not None:
-            return cast_into_sink(stored, self.sink)
+            return self.sink if self.sink_is_copy else cast_into_sink(stored, self.sink)
         cast = stored.to(self.dtype)
         return cast.to_local() if self.local else cast
 
@@ -125,15 +127,18 @@ def cast_views(model: nn.Module) -> list[tuple[nn.Parameter, CastView]]:
     ]
 
 
-def compact_gradients(model: nn.Module, param_dtype: torch.dtype) -> CompactGradients:
+def compact_gradients(model: nn.Module, param_dtype: torch.dtype, keep_copies: bool = False) -> CompactGradients:
     """dp = tp = 1: send the gradient of every cast-at-use parameter, in `param_dtype`, to a sink
-    that holds it until the optimizer step (parallel/compact_gradients.py)."""
+    that holds it until the optimizer step (parallel/compact_gradients.py). With `keep_copies`
+    the sinks are the parameters' compute-dtype copies, which forward reads instead of casting;
+    call `refresh_copies()` before each forward."""
     pairs = cast_views(model)
     if any(view.local or isinstance(p, DTensor) for p, view in pairs):
         raise ValueError("compact gradients need plain tensors (no tensor parallel)")
-    compact = CompactGradients([p for p, _ in pairs], param_dtype)
+    compact = CompactGradients([p for p, _ in pairs], param_dtype, keep_copies)
     for p, view in pairs:
         view.sink = compact.sinks.get(p)
+        view.sink_is_copy = keep_copies and view.sink is not None
     return compact
 
 

@@ -137,14 +137,17 @@ class StateBytes:
     optimizer: int  # AdamW: exp_avg + exp_avg_sq like each parameter, and a 4-byte step per tensor
     widened_grads: int = 0  # compact gradients: the largest group the step widens to fp32 at once
     step_group: int = 0  # parameter bytes one optimizer.step() call updates (all, or a compact group)
+    weight_copies: int = 0  # compute-dtype copies of the compact parameters, kept for forward to read
 
 
 def state_bytes(
-    model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None, widens: bool = True
+    model: nn.Module, compact: Sequence[nn.Parameter] = (), compute_dtype: torch.dtype | None = None, widens: bool = True,
+    weight_copies: bool = False,
 ) -> StateBytes:
     """State of `model`'s parameters; gradients of the `compact` ones are held in `compute_dtype`
     until the step, which widens them to fp32 one group at a time (parallel/compact_gradients.py),
-    unless the optimizer reads them as they are (`widens=False`: the Triton AdamW)."""
+    unless the optimizer reads them as they are (`widens=False`: the Triton AdamW). With
+    `weight_copies` each compact parameter also has a copy in `compute_dtype` for the whole run."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     nbytes = lambda tensors: sum(local_numel(p) * p.dtype.itemsize for p in tensors)  # noqa: E731
@@ -157,7 +160,9 @@ def state_bytes(
     step_group = max(widened, nbytes(p for p in trainable if id(p) not in compact_ids))
     return StateBytes(params=nbytes(params), grads=nbytes(trainable) - narrow,
                       optimizer=2 * nbytes(trainable) + 4 * len(trainable), widened_grads=widened,
-                      step_group=step_group)
+                      step_group=step_group,
+                      weight_copies=sum(local_numel(p) for p in compact if p.requires_grad) * compute_dtype.itemsize
+                      if weight_copies else 0)
 
 
 @dataclass(frozen=True)
@@ -388,7 +393,7 @@ def estimate_memory(
         held = state.grads
     casts = sum(u.compute_copies for u in units) if cast_copies is None else cast_copies
     activations = act.blocks + act.outside_blocks + casts - offloaded
-    base = {"parameters": state.params, "optimizer state": state.optimizer}
+    base = {"parameters": state.params, "weight copies": state.weight_copies, "optimizer state": state.optimizer}
     running = {**base, "gradients held for accumulation": held, "activations": activations}  # last micro-batch
     grad_logits = 0 if fused_head else tokens * act.logits_columns * a
     # A fused head keeps its two gradients (counted in the loss's saved bytes) instead of its

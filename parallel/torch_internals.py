@@ -1,4 +1,4 @@
-"""Every private or unstable torch API the graph data-parallel engine and compile use.
+"""Every private or unstable torch API the graph data-parallel engine, compile and the weight copies use.
 
 The engine itself (parallel/graph_data_parallel.py) is written against public APIs: DTensor
 `redistribute(forward_dtype=, backward_dtype=)`, `to_local(grad_placements=)`, `from_local`,
@@ -30,6 +30,10 @@ bucketing, no overlap scheduling) rather than failing the run.
 - `InvokeSubgraphHOP.gen_schema` (torch._higher_order_ops.invoke_subgraph; 2.11-2.13) and
   `torch._guards.TracingContext.try_get`: memoized per compile for nested compile regions, see
   `memoize_nested_region_schemas`.
+- `Tensor._version` (every torch since 0.4; checked on 2.11 and 2.13): the counter autograd
+  bumps on each in-place write, documented in the autograd notes but underscored. The
+  compute-dtype weight copies (parallel/compact_gradients.py) read it to find parameters
+  written since they were copied; see `version_counter`.
 """
 
 from __future__ import annotations
@@ -258,3 +262,9 @@ def memoize_nested_region_schemas() -> bool:
     gen_schema.weft_memoized = True
     InvokeSubgraphHOP.gen_schema = gen_schema
     return True
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes autograd has counted on `tensor` (and its views). Writes made
+    outside torch's dispatcher, such as a Triton kernel storing through a pointer, do not count."""
+    return tensor._version

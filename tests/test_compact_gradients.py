@@ -33,17 +33,19 @@ def _model():
     return model
 
 
-def _train(compact: bool, fused: bool, seen: dict) -> tuple[list[torch.Tensor], list[float]]:
+def _train(compact: bool, fused: bool, seen: dict, copies: bool = False) -> tuple[list[torch.Tensor], list[float]]:
     from parallel.data_parallel import compact_gradients
     from trainer.optim import clip_and_step
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
-    held = compact_gradients(model, torch.bfloat16) if compact else None
+    held = compact_gradients(model, torch.bfloat16, keep_copies=copies) if compact else None
     data = torch.Generator().manual_seed(1)
     norms = []
     for _ in range(STEPS):
         tokens = torch.randint(0, VOCAB, (2, 33), generator=data)
+        if held is not None:
+            held.refresh_copies()  # as the trainer does before each forward
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
         if held is not None:
@@ -73,6 +75,35 @@ def test_compact_gradients_step_bitwise_like_fp32_grads(fused, monkeypatch):
     assert seen["held"] == cast  # every cast parameter's gradient, in bf16, full shape
     assert seen["sink bytes"] == 2 * len(cast)  # one bf16 element of storage per sink
     assert seen["fp32 .grad"] == ["tok_embeddings.weight"]  # its fp32 lookup sums rows in fp32
+
+
+def test_weight_copies_train_bitwise_like_casts():
+    """Forward reading kept bf16 copies (refreshed after each step of torch's AdamW, whose
+    in-place writes move the parameters' version counters) trains bit for bit as casting at
+    use; a copy left stale would change the losses from the second step on."""
+    cast, cast_norms = _train(True, False, {})
+    seen = {}
+    copied, copied_norms = _train(True, False, seen, copies=True)
+    assert copied_norms == cast_norms
+    assert all(torch.equal(got, want) for got, want in zip(copied, cast))
+    assert seen["sink bytes"] > 0  # the sinks hold the copies: real storage, not one element each
+
+
+def test_weight_copies_are_what_forward_reads_and_follow_in_place_writes():
+    from parallel.data_parallel import compact_gradients
+    from parallel.parameter_views import stored_parameters
+
+    model = _model()
+    held = compact_gradients(model, torch.bfloat16, keep_copies=True)
+    held.refresh_copies()
+    linear = model.layers["0"].attention.wq
+    assert linear.weight is held.sinks[linear._parameters["weight"]]  # read as it is: no cast
+    assert torch.equal(linear.weight, linear._parameters["weight"].to(torch.bfloat16))
+    with torch.no_grad(), stored_parameters():
+        linear.weight.mul_(2)  # e.g. a checkpoint load: a write torch counts
+    assert not torch.equal(linear.weight, linear._parameters["weight"].to(torch.bfloat16))
+    held.refresh_copies()
+    assert torch.equal(linear.weight, linear._parameters["weight"].to(torch.bfloat16))
 
 
 def test_step_groups_bound_the_widened_bytes():
@@ -111,7 +142,8 @@ def test_dry_run_counts_compact_gradients():
 
 
 def test_training_run_with_compact_gradients_logs_the_same_losses(tmp_path, corpus):
-    """train.py at dp = 1 with bf16 compute, eager: the same losses and gradient norms, bit for bit."""
+    """train.py at dp = 1 with bf16 compute, eager: the same losses and gradient norms, bit for bit,
+    with compact gradients and with weight copies."""
     import json
     import os
     import subprocess
@@ -120,25 +152,29 @@ def test_training_run_with_compact_gradients_logs_the_same_losses(tmp_path, corp
     from tests.dist_utils import ROOT
 
     records = {}
-    for compact in ("false", "true"):
-        dump = tmp_path / compact
+    for compact, copies in (("false", "false"), ("true", "false"), ("true", "true")):
+        dump = tmp_path / f"{compact}_{copies}"
         proc = subprocess.run(
             [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
              "--model.flavor", "tinymodel", "--training.seq_len", "32", "--training.dataset_path", corpus,
              "--training.steps", "4", "--metrics.log_freq", "1", "--job.dump_folder", str(dump),
-             "--training.mixed_precision_param", "bfloat16", "--training.compact_gradients", compact],
+             "--training.mixed_precision_param", "bfloat16", "--training.compact_gradients", compact,
+             "--training.compute_weight_copies", copies],
             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert ("compact_gradients = true" in proc.stdout) == (compact == "true")  # the resolved config
         lines = (dump / "metrics.jsonl").read_text().splitlines()
-        records[compact] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
-    assert len(records["true"]) == 4
-    assert records["true"] == records["false"]
+        records[compact, copies] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
+    assert len(records["true", "false"]) == 4
+    assert records["true", "false"] == records["false", "false"]
+    # Forward reading kept bf16 weights (recast after each step of the foreach AdamW): the same bits.
+    assert records["true", "true"] == records["false", "false"]
 
 
 def test_compiled_compact_gradients_match_and_reuse_a_warm_cache(tmp_path, corpus, monkeypatch):
-    """Compiled per block and as one graph, with compact gradients: the losses of fp32 `.grad`
-    within 1e-4 relative, and a second launch on the same cache loads the graphs.
+    """Compiled per block and as one graph, with compact gradients (and per block with weight
+    copies): the losses of fp32 `.grad` within 1e-4 relative, and a second launch on the same
+    cache loads the graphs.
 
     1e-4 and not bitwise: without compact gradients inductor may fuse a norm weight's gradient
     reduction with the cast's widening and skip the rounding to bf16 that FSDP2 (and compact
@@ -151,14 +187,17 @@ def test_compiled_compact_gradients_match_and_reuse_a_warm_cache(tmp_path, corpu
     base = [*BASE, "--training.dataset_path", corpus, "--training.mixed_precision_param", "bfloat16",
             "--training.global_batch_size", "2", "--compile.enable", "true"]
     compact = ["--training.compact_gradients", "true"]
+    copies = [*compact, "--training.compute_weight_copies", "true"]
     runs = {"blocks": ["--compile.strategy", "blocks"], "blocks compact": ["--compile.strategy", "blocks", *compact],
-            "model compact": ["--compile.strategy", "model", *compact]}
+            "model compact": ["--compile.strategy", "model", *compact],
+            "blocks copies": ["--compile.strategy", "blocks", *copies]}
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     cold, _ = launch(tmp_path, 1, base, list(runs.values()), cache_stats=True)
     warm_runs = [runs["blocks compact"], runs["model compact"]]
     warm, warm_cache = launch(tmp_path, 1, base, warm_runs, cache_stats=True)
     losses = {name: [r["loss"] for r in cold[" ".join(run)]] for name, run in runs.items()}
-    for name in ("blocks compact", "model compact"):
+    assert cold[" ".join(runs["blocks copies"])][-1]["recompiles_after_warmup"] == 0
+    for name in ("blocks compact", "model compact", "blocks copies"):
         assert len(losses[name]) == 5
         for got, want in zip(losses[name], losses["blocks"]):
             assert abs(got - want) <= 1e-4 * abs(want), (name, losses[name], losses["blocks"])
@@ -185,3 +224,18 @@ def test_compact_gradients_refuse_gradient_accumulation(tmp_path):
     assert resolve_run(one_micro_batch, 1).compact_gradients
     assert not resolve_run(load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
                                         str(tmp_path), "--training.compact_gradients", "true"]), 1).compact_gradients
+
+
+def test_weight_copies_need_compact_gradients(tmp_path):
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+    from trainer.run import resolve_run
+
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+            "--training.mixed_precision_param", "bfloat16", "--training.compute_weight_copies", "true"]
+    with pytest.raises(ConfigError, match="set training.compact_gradients = true as well"):
+        resolve_run(load_config(argv), world_size=1)
+    assert resolve_run(load_config([*argv, "--training.compact_gradients", "true"]), 1).weight_copies
+    # Where compact gradients have no effect (fp32 compute here), neither have the copies.
+    fp32 = [*argv, "--training.compact_gradients", "true", "--training.mixed_precision_param", "float32"]
+    assert not resolve_run(load_config(fp32), 1).weight_copies

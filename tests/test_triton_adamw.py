@@ -124,9 +124,9 @@ _COMPACT_OVERLAPPED = textwrap.dedent("""
     from trainer.optim import build_optimizer, clip_and_step
     from trainer.overlapped_step import OverlappedStep
 
-    def train(implementation, overlap, steps=STEPS):
+    def train(implementation, overlap, steps=STEPS, copies=False):
         model = _model(compiled=False)  # fp32 parameters cast to bf16 at use
-        compact = compact_gradients(model, torch.bfloat16)
+        compact = compact_gradients(model, torch.bfloat16, keep_copies=copies)
         cfg = Optimizer(lr=1e-2, implementation=implementation)
         optimizer = build_optimizer(model, cfg, torch.device("cpu"), compact)
         overlapped = OverlappedStep(optimizer, _units(model), torch.device("cpu"), compact.release) if overlap else None
@@ -134,6 +134,7 @@ _COMPACT_OVERLAPPED = textwrap.dedent("""
         norms = []
         for _ in range(steps):
             tokens = torch.randint(0, VOCAB, (2, 33), generator=data)
+            compact.refresh_copies()
             logits = model(tokens[:, :-1])
             if overlapped is not None:
                 overlapped.finish()
@@ -145,12 +146,22 @@ _COMPACT_OVERLAPPED = textwrap.dedent("""
                 optimizer.zero_grad(set_to_none=True)  # as the trainer does
         if overlapped is not None:
             overlapped.finish()
+        if copies:
+            # The kernel wrote each copy in its step and torch counted no write, so nothing was
+            # cast again: every copy is its parameter rounded to bf16 as `Tensor.to` rounds.
+            assert all(torch.equal(compact.copy_of(p), p.to(torch.bfloat16)) for p in compact.parameters)
+            stale = [p for p in compact.parameters if compact._copied_versions[p] != p._version]
+            assert not stale, "the Triton AdamW's writes are not counted, so the copies must be its own"
         return [p.detach().clone() for p in model.parameters()], norms
 
     # Unit by unit is the same kernel on the same values as all at once: bit for bit.
     after_backward, after_backward_norms = train("triton", overlap=False)
     params, norms = train("triton", overlap=True)
     assert min(norms) > 0.05, "clipping must be active for the test to cover it"
+    assert norms == after_backward_norms
+    assert all(torch.equal(got, want) for got, want in zip(params, after_backward))
+    # Forward reading the copies the kernel writes trains bit for bit as casting at use.
+    params, norms = train("triton", overlap=True, copies=True)
     assert norms == after_backward_norms
     assert all(torch.equal(got, want) for got, want in zip(params, after_backward))
     # Reading bf16 gradients is widening them first: one step from the same start agrees with

@@ -89,6 +89,7 @@ class Training:
     mixed_precision_param: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"  # gradient reduce dtype
     compact_gradients: bool = False  # one GPU (dp = tp = 1), bf16 compute, one micro-batch: gradients stay bf16 until the step widens them (FSDP2's numerics; 2 bytes/param less at the end of backward)
+    compute_weight_copies: bool = False  # with compact_gradients: keep each cast-at-use weight's bf16 copy (written by the Triton AdamW's step) for forward to read instead of casting; 2 bytes/param more, about what no-AC forward keeps of the casts anyway
     head_loss: str = "separate"  # separate (head, then loss on its logits) | fused (loss inside the head, chunk by chunk: no [tokens, vocab] logits; tp = 1)
     gc_freq: int = 50  # run Python GC every N steps (automatic GC is disabled)
     device: str = "auto"  # auto | cuda | cpu

@@ -126,11 +126,13 @@ def _plan_of(run: ResolvedRun, model: nn.Module) -> DryRunPlan:
         fused_norm=device_type == "cuda",
     )
     units = unit_bytes(spec.fsdp_units(model), model, run.param_dtype, run.reduce_dtype)
+    if run.weight_copies:  # forward reads the kept weight copies: autograd keeps no cast of its own
+        units = [replace(unit, compute_copies=0) for unit in units]
     implementation = optimizer_implementation(cfg.optimizer, device_type)
     state = state_bytes(model, [p for p, _ in cast_views(model)] if run.compact_gradients else [], run.param_dtype,
-                        widens=implementation != "triton")
+                        widens=implementation != "triton", weight_copies=run.weight_copies)
     # Cast copies: the built layout's, minus its unwrapped blocks', plus those of the layout asked about.
-    block_casts = [cast_copy_bytes(block, run.param_dtype) for block in block_modules]
+    block_casts = [0 if run.weight_copies else cast_copy_bytes(block, run.param_dtype) for block in block_modules]
 
     def kept_casts(block_kinds: list[str]) -> list[int]:
         """Each block's cast copies autograd keeps: only an unwrapped block keeps them."""
@@ -299,6 +301,8 @@ def format_plan(p: DryRunPlan) -> str:
         + ("  at the end of backward, compact (training.compact_gradients); "
            + (f"widened to fp32 {_gib(s.widened_grads)} at a time by the step" if s.widened_grads
               else "read as held by the Triton AdamW") if run.compact_gradients else ""),
+        *([f"  weight copies         {s.weight_copies:>18,} B  {_gib(s.weight_copies):>12}  {_name(run.param_dtype)}, "
+           "read by forward instead of a cast (training.compute_weight_copies)"] if s.weight_copies else []),
         f"  optimizer state       {s.optimizer:>18,} B  {_gib(s.optimizer):>12}  AdamW exp_avg + exp_avg_sq + step",
         f"  activations           {m.activation_total:>18,} B  {_gib(m.activation_total):>12}  one micro-batch, "
         f"saved for backward" + (f", on the GPU (the first {offload_n} blocks' are held in host memory: "

@@ -41,7 +41,8 @@ def build_optimizer(
     model: nn.Module, cfg: Optimizer, device: torch.device, compact: CompactGradients | None = None
 ) -> torch.optim.Optimizer:
     """AdamW over the trainable params (DTensors included): the Triton AdamW, which reads compact
-    gradients (`compact`) where they are held, or torch's fused (CUDA) or foreach (CPU) AdamW."""
+    gradients (`compact`) where they are held and writes their weight copies in its step, or
+    torch's fused (CUDA) or foreach (CPU) AdamW (whose writes `compact.refresh_copies` casts again)."""
     impl = optimizer_implementation(cfg, device.type)
     params = [p for p in model.parameters() if p.requires_grad]
     hyperparameters = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -49,6 +50,7 @@ def build_optimizer(
         optimizer = TritonAdamW(params, **hyperparameters)
         if compact is not None:
             optimizer.gradient_of = compact.gradient_of
+            optimizer.copy_of = compact.copy_of
         return optimizer
     return torch.optim.AdamW(params, fused=impl == "fused", foreach=impl == "foreach", **hyperparameters)
 

@@ -56,6 +56,7 @@ class ResolvedRun:
     loss_parallel: bool
     fused_head_loss: bool  # the loss runs inside the head, chunk by chunk (training.head_loss resolved)
     compact_gradients: bool  # training.compact_gradients resolved: one GPU, bf16 compute, one micro-batch per step
+    weight_copies: bool  # training.compute_weight_copies resolved: with compact gradients, forward reads kept bf16 weights
     overlap_step: bool  # optimizer.overlap_step resolved: each unit steps during the next forward (trainer/overlapped_step.py)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
@@ -120,6 +121,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         loss_parallel=dims.tp > 1 and p.enable_loss_parallel,
         fused_head_loss=head_loss == "fused",
         compact_gradients=compact,
+        weight_copies=_weight_copies(cfg, compact),
         overlap_step=_overlap_step(cfg, dims, compact, _optimizer_implementation(cfg)),
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
@@ -150,6 +152,17 @@ def _compact_gradients(cfg: JobConfig, dims: ParallelDims, param_dtype: torch.dt
             "they would sum in it. Set training.compact_gradients = false, or global_batch_size = local_batch_size."
         )
     return True
+
+
+def _weight_copies(cfg: JobConfig, compact_gradients: bool) -> bool:
+    """training.compute_weight_copies resolved: the copies are the sinks compact gradients flow
+    into, so they come with compact gradients, and like them act only where those do."""
+    if not cfg.training.compute_weight_copies:
+        return False
+    if not cfg.training.compact_gradients:
+        raise ConfigError("training.compute_weight_copies keeps the weight copies that compact gradients flow into; "
+                          "set training.compact_gradients = true as well, or compute_weight_copies = false.")
+    return compact_gradients
 
 
 def _optimizer_implementation(cfg: JobConfig) -> str:

@@ -92,7 +92,7 @@ class Trainer:
 
         self.compact_gradients = None
         if run.compact_gradients:
-            self.compact_gradients = compact_gradients(self.model, run.param_dtype)
+            self.compact_gradients = compact_gradients(self.model, run.param_dtype, keep_copies=run.weight_copies)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, run.device, self.compact_gradients)
         self.overlapped_step = None
         if run.overlap_step:
@@ -141,6 +141,7 @@ class Trainer:
         both still on the device."""
         accum = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
+        self._refresh_weight_copies()
         for index, (inputs, labels) in enumerate(micro_batches):
             if accum > 1:
                 last = index == accum - 1
@@ -157,6 +158,12 @@ class Trainer:
         if self.overlapped_step is None:  # else each unit's next forward releases its gradients
             self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _refresh_weight_copies(self) -> None:
+        """Before a forward: cast again the weight copies of parameters written since their copy
+        was made (initialization, a checkpoint load; the Triton AdamW writes them itself)."""
+        if self.compact_gradients is not None:
+            self.compact_gradients.refresh_copies()
 
     def _finish_step(self) -> None:
         """Wait for an overlapped optimizer step still running: before anything but the next
@@ -197,6 +204,7 @@ class Trainer:
         "recompiles"; this costs forward activations of one micro-batch, as training does.
         """
         self.val_loader.reset()
+        self._refresh_weight_copies()
         total = torch.zeros((), device=self.device)
         count = 0
         for _ in range(self.cfg.validation.steps):

@@ -6,7 +6,8 @@ H200, where a plain copy reaches 4.3 TB/s (scripts/bench_optimizer.py, docs/perf
 With a clip factor (`grad_scale`, trainer/optim.py) the fused kernel also writes every
 divided gradient back, 4 bytes a parameter more that nothing reads. This kernel is one
 elementwise pass per parameter that reads the gradient in whatever dtype it was made in,
-divides it by the clip factor in registers, and writes only the parameter and the moments.
+divides it by the clip factor in registers, and writes only the parameter and the moments
+(and, where asked, the parameter's compute-dtype copy that forward reads, in the same pass).
 
 It is `torch.optim.AdamW` in everything but the step: the same param groups, hyper-parameters
 and per-parameter state (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints move between it and
@@ -44,8 +45,8 @@ def _kernel():
     @triton.jit
     def adamw_kernel(
         param, grad, exp_avg, exp_avg_sq, grad_divisor, numel,
-        beta1, beta2, eps, lr_weight_decay, step_size, bias_correction2_sqrt,
-        BLOCK: tl.constexpr,
+        beta1, beta2, eps, lr_weight_decay, step_size, bias_correction2_sqrt, copy,
+        BLOCK: tl.constexpr, WRITES_COPY: tl.constexpr,
     ):
         # The order of torch's fused kernel (ATen's fused_adam_utils.cuh), with IEEE-rounded
         # division and square root as nvcc compiles them there (Triton's `/` and `tl.sqrt`
@@ -64,6 +65,15 @@ def _kernel():
         tl.store(param + offsets, p, mask=mask)
         tl.store(exp_avg + offsets, m, mask=mask)
         tl.store(exp_avg_sq + offsets, v, mask=mask)
+        if WRITES_COPY:
+            # The bf16 copy forward reads, rounded to nearest even on the bits as torch's
+            # `Tensor.to` rounds (a NaN stays a NaN, its payload aside). Spelled out rather than
+            # `.to(tl.bfloat16)`, which Triton's interpreter truncates: so the CPU tests check
+            # the rounding the GPU runs.
+            bits = p.to(tl.uint32, bitcast=True)
+            upper = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+            upper = tl.where(p != p, 0x7FC0, upper).to(tl.uint16)
+            tl.store(copy + offsets, upper.to(tl.bfloat16, bitcast=True), mask=mask)
 
     return triton.cdiv, adamw_kernel
 
@@ -99,7 +109,9 @@ class TritonAdamW(torch.optim.AdamW):
     `grad_scale`, when set (a one-element tensor), divides every gradient as it is read: the
     hand-off `torch.amp.GradScaler` uses for fused optimizers, which `clip_and_step` uses for
     the clip factor. `gradient_of(param)` says where a parameter's gradient is; by default its
-    `.grad`, whatever its dtype.
+    `.grad`, whatever its dtype. `copy_of(param)` names a tensor laid out as the parameter that
+    the step writes with the updated value in its own dtype (a compute-dtype weight copy,
+    parallel/compact_gradients.py), or None; by default None.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], **hyperparameters) -> None:
@@ -110,6 +122,7 @@ class TritonAdamW(torch.optim.AdamW):
             raise ValueError("the Triton AdamW steps parameters whose elements fill their memory (no sliced "
                              "views); set optimizer.implementation = 'fused'")
         self.gradient_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
+        self.copy_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
@@ -162,8 +175,12 @@ class TritonAdamW(torch.optim.AdamW):
                 g = _laid_out_like(_local(grad), p)
                 if divisor is None:
                     divisor = torch.ones((), device=p.device)
+                copy = self.copy_of(param)
+                if copy is not None and (copy.dtype != torch.bfloat16 or not _same_layout(copy, p)):
+                    raise ValueError("a weight copy must be bf16 and laid out as its parameter")
                 kernel[(cdiv(p.numel(), BLOCK),)](
                     p, g, m, v, divisor, p.numel(),
                     beta1, beta2, eps, lr_weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-                    BLOCK=BLOCK, num_warps=8,
+                    p if copy is None else copy,
+                    BLOCK=BLOCK, WRITES_COPY=copy is not None, num_warps=8,
                 )
