@@ -101,11 +101,12 @@ class ActivationOffload:
     """Offloads the saved activations of `blocks[:count]` to host memory (see the module docstring).
 
     `blocks` in forward order. Run each forward inside `scope()`, which also restores autograd's
-    hooks if a forward fails halfway.
+    hooks if a forward fails halfway. `persistent` are tensors held for the whole run that a
+    block reads like parameters (compute-dtype weight copies): saved, they stay where they are.
     """
 
     def __init__(self, blocks: nn.ModuleDict | Sequence[nn.Module], count: int, device: torch.device,
-                 min_bytes: int = MIN_BYTES) -> None:
+                 min_bytes: int = MIN_BYTES, persistent: Sequence[torch.Tensor] = ()) -> None:
         blocks = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
         if not 0 < count < len(blocks):
             raise ValueError(f"offload 1..{len(blocks) - 1} blocks, not {count}: the last block's backward comes first")
@@ -124,6 +125,7 @@ class ActivationOffload:
         self._paused = False
         self._block: int | None = None
         self._kept: set[int] = set()  # storage addresses the current block saves but must not move
+        self._persistent = {t.untyped_storage().data_ptr() for t in persistent}
         # The current block's stored storages by address (each holds its source until released,
         # long after the block, so an address cannot come back within it).
         self._by_address: dict[int, _Stored] = {}
@@ -176,10 +178,10 @@ class ActivationOffload:
         self._by_address = {}
         self._to_fetch[index] = []
         self._unreleased[index] = []
-        # Alive anyway: the block's parameters and buffers, and the inputs after the first,
-        # which every block shares (the RoPE table).
+        # Alive anyway: the block's parameters and buffers, the inputs after the first, which
+        # every block shares (the RoPE table), and the persistent tensors.
         shared = [*module.parameters(), *module.buffers(), *(a for a in args[1:] if isinstance(a, torch.Tensor))]
-        self._kept = {_local(t).untyped_storage().data_ptr() for t in shared}
+        self._kept = {_local(t).untyped_storage().data_ptr() for t in shared} | self._persistent
 
     def _deactivate(self) -> None:
         if self._active:

@@ -99,9 +99,9 @@ class CompactGradients:
 
     @torch.no_grad()
     def refresh_copies(self) -> None:
-        """With `keep_copies`: cast again every parameter written in place since its copy was made
-        (its version counter moved; at first, all). Host-side bookkeeping only when none was: the Triton AdamW
-        writes the copies itself and leaves the counters as they were."""
+        """With `keep_copies`: cast again every parameter written in place since its copy was
+        made (its version counter moved; at first, all). Host-side bookkeeping only when none
+        was: the Triton AdamW writes the copies itself and leaves the counters as they were."""
         if not self.keep_copies:
             return
         for p, copy in self.sinks.items():
@@ -109,6 +109,10 @@ class CompactGradients:
             if self._copied_versions.get(p) != version:
                 copy.copy_(p)
                 self._copied_versions[p] = version
+
+    def copies(self) -> list[torch.Tensor]:
+        """The weight copies (with `keep_copies`), or none."""
+        return list(self.sinks.values()) if self.keep_copies else []
 
     def copy_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """`param`'s compute-dtype copy, for the optimizer step to write, or None."""

@@ -125,6 +125,41 @@ def test_training_with_offload_is_bit_for_bit_training_without(kind, compiled):
     assert offload.bytes_offloaded > 0 and not offload._unreleased and not offload._to_fetch and not offload._unread
 
 
+def test_weight_copies_stay_where_they_are():
+    """With compute_weight_copies a block saves the bf16 weight copies it read, which are held for
+    the whole run: the offload leaves them in place (moving them would free nothing), moves the
+    rest, and training is bit for bit training without offload."""
+    from parallel.activation_offload import ActivationOffload
+    from parallel.data_parallel import apply_compute_dtype, compact_gradients
+
+    def train(offload: bool):
+        model = _model("none", compiled=False)
+        apply_compute_dtype(model, torch.bfloat16)
+        held = compact_gradients(model, torch.bfloat16, keep_copies=True)
+        off = ActivationOffload(model.layers, OFFLOADED, torch.device("cpu"), min_bytes=0, persistent=held.copies())
+        moved = []
+        offload_storage = off._offload
+        off._offload = lambda storage: moved.append(storage.data_ptr()) or offload_storage(storage)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            held.refresh_copies()
+            with off.scope(offload):
+                logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            losses.append(loss.item())
+            for group in held.materialized([p for p in model.parameters() if p.grad is not None]):
+                optimizer.step()
+        copies = {c.untyped_storage().data_ptr() for c in held.copies()}
+        return losses, moved, copies
+
+    losses, moved, copies = train(offload=True)
+    assert moved and not copies & set(moved)
+    assert losses == train(offload=False)[0]
+
+
 def test_a_forward_that_fails_leaves_no_hook_behind():
     model = _model("none", compiled=False)
     watched = _Watched(model)

@@ -156,7 +156,8 @@ def _compact_gradients(cfg: JobConfig, dims: ParallelDims, param_dtype: torch.dt
 
 def _weight_copies(cfg: JobConfig, compact_gradients: bool) -> bool:
     """training.compute_weight_copies resolved: the copies are the sinks compact gradients flow
-    into, so they come with compact gradients, and like them act only where those do."""
+    into, so they come with compact gradients (bf16 compute, the only one narrower than fp32),
+    and like them act only where those do."""
     if not cfg.training.compute_weight_copies:
         return False
     if not cfg.training.compact_gradients:

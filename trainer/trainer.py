@@ -100,8 +100,9 @@ class Trainer:
             self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device, release)
         self.activation_offload = None
         if cfg.activation_checkpoint.offload_blocks:
+            copies = self.compact_gradients.copies() if self.compact_gradients is not None else []
             self.activation_offload = ActivationOffload(run.spec.blocks(self.model), cfg.activation_checkpoint.offload_blocks,
-                                                        run.device)
+                                                        run.device, persistent=copies)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         loader_args = dict(dp_rank=self.dp_rank, dp_degree=run.dims.dp, device=run.device,
                            dump_folder=run.paths.dump, global_batch_size=run.global_batch_size)

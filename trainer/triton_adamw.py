@@ -109,8 +109,8 @@ class TritonAdamW(torch.optim.AdamW):
     `grad_scale`, when set (a one-element tensor), divides every gradient as it is read: the
     hand-off `torch.amp.GradScaler` uses for fused optimizers, which `clip_and_step` uses for
     the clip factor. `gradient_of(param)` says where a parameter's gradient is; by default its
-    `.grad`, whatever its dtype. `copy_of(param)` names a tensor laid out as the parameter that
-    the step writes with the updated value in its own dtype (a compute-dtype weight copy,
+    `.grad`, whatever its dtype. `copy_of(param)` names a bf16 tensor laid out as the parameter
+    that the step writes with the updated value rounded to bf16 (a compute-dtype weight copy,
     parallel/compact_gradients.py), or None; by default None.
     """
 
