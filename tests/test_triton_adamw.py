@@ -195,12 +195,59 @@ _STATE_DICT_BEFORE_A_STEP = textwrap.dedent("""
 """)
 
 
+_COPIES_RESUME = textwrap.dedent("""
+    import copy
+    import torch
+    from parallel.data_parallel import compact_gradients
+    from parallel.parameter_views import stored_parameters
+    from tests.test_overlapped_step import VOCAB, _model
+    from trainer.config import Optimizer
+    from trainer.optim import build_optimizer, clip_and_step
+
+    BATCHES = [torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1)) for _ in range(4)]
+
+    def build():
+        model = _model(compiled=False)
+        compact = compact_gradients(model, torch.bfloat16, keep_copies=True)
+        return model, compact, build_optimizer(model, Optimizer(lr=1e-2, implementation="triton"),
+                                               torch.device("cpu"), compact)
+
+    def train(model, compact, optimizer, batches):
+        for tokens in batches:
+            compact.refresh_copies()  # as the trainer does before each forward
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+            clip_and_step(optimizer, model.parameters(), 0.05, compact)
+            optimizer.zero_grad(set_to_none=True)  # as the trainer does
+
+    straight = build()
+    train(*straight, BATCHES)
+    first = build()
+    train(*first, BATCHES[:2])
+    saved = copy.deepcopy((first[0].state_dict(), first[2].state_dict()))
+    # A resumed run: built, a forward's refresh before the load (its copies then hold the fresh
+    # weights), then the checkpoint loaded in place. The Triton AdamW's own writes are not
+    # counted; the load's are, so the next refresh casts the loaded weights.
+    model, compact, optimizer = build()
+    with torch.no_grad(), stored_parameters():
+        for p in model.parameters():
+            p.mul_(0.5)  # unlike the checkpoint: a copy left stale would show
+    compact.refresh_copies()
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    train(model, compact, optimizer, BATCHES[2:])
+    for (name, got), want in zip(model.named_parameters(), straight[0].parameters()):
+        assert torch.equal(got, want), name
+""")
+
+
 _CHECKS = {
     "steps": _STEPS,
     "resume": _RESUME,
     "layouts": _LAYOUTS,
     "state_dict_before_a_step": _STATE_DICT_BEFORE_A_STEP,
     "compact_overlapped": _COMPACT_OVERLAPPED,
+    "copies_resume": _COPIES_RESUME,
 }
 
 _DRIVER = textwrap.dedent("""
@@ -247,6 +294,13 @@ def test_compact_gradients_read_in_bf16_step_unit_by_unit_like_widened_ones(inte
     released unit by unit by the overlapped step, train as after backward, and step as the
     for-loop AdamW does on the widened gradients."""
     assert interpreted["compact_overlapped"] == "ok", interpreted["compact_overlapped"]
+
+
+def test_weight_copies_are_cast_again_after_a_checkpoint_load(interpreted):
+    """Kept bf16 weight copies written by the Triton AdamW: a run resumed from a checkpoint of
+    step 2 (loaded in place, after a forward had refreshed the copies) ends bit for bit where
+    the run without a break does."""
+    assert interpreted["copies_resume"] == "ok", interpreted["copies_resume"]
 
 
 @pytest.mark.parametrize("overrides, expected", [
