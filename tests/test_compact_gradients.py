@@ -141,6 +141,36 @@ def test_dry_run_counts_compact_gradients():
     assert "optimizer step               105.68 GiB\n" in read_as_held
 
 
+def test_dry_run_counts_weight_copies_as_state_and_no_kept_casts():
+    """3B without AC: the copies are 2 bytes per cast parameter for the whole run, and the casts
+    autograd kept for backward are gone from the activations, so the peak stays where it was;
+    with blocks offloaded, no copy is counted as moved to the host."""
+    from trainer.config import load_config
+    from trainer.dry_run import format_plan, plan
+
+    argv = ["--job.config_file", "train_configs/llama3_3b.toml", "--comm.mode", "fake_backend",
+            "--activation_checkpoint.mode", "none", "--optimizer.implementation", "triton",
+            "--training.compact_gradients", "true"]
+    casts = format_plan(plan(load_config(argv), 1))
+    copies = format_plan(plan(load_config([*argv, "--training.compute_weight_copies", "true"]), 1))
+    total, table = 3_606_752_256, 128_256 * 3_072  # 3B's parameters, the embedding table's
+    assert "weight copies" not in casts
+    assert f"weight copies              {2 * (total - table):,} B" in copies
+    activations = {plan_text: int(plan_text.split("activations")[1].split(" B")[0].replace(",", ""))
+                   for plan_text in (casts, copies)}
+    assert activations[casts] - activations[copies] == 2 * (total - table)
+    assert "backward: the head            90.64 GiB  <- peak" in casts
+    assert "backward: the head            90.64 GiB  <- peak" in copies
+    # Two blocks offloaded: their kept casts went to the host with them; copies stay.
+    offload = ["--activation_checkpoint.offload_blocks", "2"]
+    casts = format_plan(plan(load_config([*argv, *offload]), 1))
+    copies = format_plan(plan(load_config([*argv, *offload, "--training.compute_weight_copies", "true"]), 1))
+    activations = {plan_text: int(plan_text.split("activations")[1].split(" B")[0].replace(",", ""))
+                   for plan_text in (casts, copies)}
+    block = (total - 2 * table - 3_072) // 28  # the untied head is the table's size; the final norm
+    assert activations[casts] - activations[copies] == 2 * (total - table) - 2 * 2 * block
+
+
 def test_training_run_with_compact_gradients_logs_the_same_losses(tmp_path, corpus):
     """train.py at dp = 1 with bf16 compute, eager: the same losses and gradient norms, bit for bit,
     with compact gradients and with weight copies."""
