@@ -223,7 +223,7 @@ def test_compiled_compact_gradients_match_and_reuse_a_warm_cache(tmp_path, corpu
             "blocks copies": ["--compile.strategy", "blocks", *copies]}
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     cold, _ = launch(tmp_path, 1, base, list(runs.values()), cache_stats=True)
-    warm_runs = [runs["blocks compact"], runs["model compact"]]
+    warm_runs = [runs["blocks compact"], runs["model compact"], runs["blocks copies"]]
     warm, warm_cache = launch(tmp_path, 1, base, warm_runs, cache_stats=True)
     losses = {name: [r["loss"] for r in cold[" ".join(run)]] for name, run in runs.items()}
     assert cold[" ".join(runs["blocks copies"])][-1]["recompiles_after_warmup"] == 0
