@@ -154,21 +154,21 @@ def test_dry_run_counts_weight_copies_as_state_and_no_kept_casts():
     casts = format_plan(plan(load_config(argv), 1))
     copies = format_plan(plan(load_config([*argv, "--training.compute_weight_copies", "true"]), 1))
     total, table = 3_606_752_256, 128_256 * 3_072  # 3B's parameters, the embedding table's
+
+    def activations(plan_text: str) -> int:
+        return int(plan_text.split("activations")[1].split(" B")[0].replace(",", ""))
+
     assert "weight copies" not in casts
     assert f"weight copies              {2 * (total - table):,} B" in copies
-    activations = {plan_text: int(plan_text.split("activations")[1].split(" B")[0].replace(",", ""))
-                   for plan_text in (casts, copies)}
-    assert activations[casts] - activations[copies] == 2 * (total - table)
+    assert activations(casts) - activations(copies) == 2 * (total - table)
     assert "backward: the head            90.64 GiB  <- peak" in casts
     assert "backward: the head            90.64 GiB  <- peak" in copies
     # Two blocks offloaded: their kept casts went to the host with them; copies stay.
     offload = ["--activation_checkpoint.offload_blocks", "2"]
     casts = format_plan(plan(load_config([*argv, *offload]), 1))
     copies = format_plan(plan(load_config([*argv, *offload, "--training.compute_weight_copies", "true"]), 1))
-    activations = {plan_text: int(plan_text.split("activations")[1].split(" B")[0].replace(",", ""))
-                   for plan_text in (casts, copies)}
     block = (total - 2 * table - 3_072) // 28  # the untied head is the table's size; the final norm
-    assert activations[casts] - activations[copies] == 2 * (total - table) - 2 * 2 * block
+    assert activations(casts) - activations(copies) == 2 * (total - table) - 2 * 2 * block
 
 
 def test_training_run_with_compact_gradients_logs_the_same_losses(tmp_path, corpus):
