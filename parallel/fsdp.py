@@ -7,7 +7,7 @@ tensor parallelism already made DTensors keep their tp placement and gain the dp
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -20,6 +20,17 @@ FSDPUnit = Union[nn.Module, Sequence[nn.Module]]
 def unit_modules(unit: FSDPUnit) -> list[nn.Module]:
     """The modules of a unit given as one module or as a group of them."""
     return list(unit) if isinstance(unit, (list, tuple)) else [unit]
+
+
+def unit_of(units: Sequence[FSDPUnit]) -> Callable[[torch.Tensor], int]:
+    """Maps a parameter to the index of the first of `units` that holds it; a parameter in
+    none (one the model's plan left out) goes with the first unit."""
+    owner: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for module in unit_modules(unit):
+            for p in module.parameters():
+                owner.setdefault(id(p), index)
+    return lambda param: owner.get(id(param), 0)
 
 
 RESHARD_POLICIES = ("default", "always", "never")

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from parallel.fsdp import FSDPUnit, unit_modules
+from parallel.fsdp import FSDPUnit, unit_modules, unit_of
 
 
 def _clear_grads(params: list[nn.Parameter]) -> None:
@@ -60,14 +60,10 @@ class OverlappedStep:
         self.optimizer = optimizer
         self._release = release or _clear_grads
         modules_of_units = [unit_modules(unit) for unit in units]
-        owner: dict[int, int] = {}
-        for index, modules in enumerate(modules_of_units):
-            for module in modules:
-                for p in module.parameters():
-                    owner.setdefault(id(p), index)
+        owner = unit_of(units)
         # Per unit, per optimizer param group: the group's parameters that belong to the unit.
         self._group_params = [
-            [[p for p in group["params"] if owner.get(id(p), 0) == index] for group in optimizer.param_groups]
+            [[p for p in group["params"] if owner(p) == index] for group in optimizer.param_groups]
             for index in range(len(modules_of_units))
         ]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
