@@ -131,6 +131,10 @@ class CompactGradients:
         held = sink.grad if sink is not None else None
         return held if held is not None else param.grad
 
+    def holder_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The leaf tensor whose `.grad` autograd accumulates `param`'s gradient into: its sink, or itself."""
+        return self.sinks.get(param, param)
+
     def release(self, params: list[nn.Parameter]) -> None:
         """Drop the gradients of `params`, held in their sinks or in `.grad`."""
         for p in params:

@@ -7,8 +7,10 @@ from typing import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+TensorNorms = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
-def _fp64_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+
+def fp64_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each grad's L2 norm accumulated in fp64, in one multi-tensor kernel on CUDA.
 
     fp64 because a CPU fp32 norm over a 6M-element grad is off by ~3e-6 relative, enough to
@@ -33,8 +35,13 @@ def _grouped(items: Iterable, key: Callable) -> list[list]:
     return list(groups.values())
 
 
+def norm_groups(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` grouped as `global_norm` takes their norms: by mesh and by dtype."""
+    return _grouped(grads, lambda grad: (_mesh(grad), grad.dtype))
+
+
 @torch.no_grad()
-def global_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+def global_norm(grads: Iterable[torch.Tensor], tensor_norms: TensorNorms = fp64_norms) -> torch.Tensor:
     """The total L2 norm of `grads` (a plain fp32 tensor, equal on every rank).
 
     With FSDP2 and TP the grads are DTensors sharded over dp and tp; a group's norm is a
@@ -44,10 +51,12 @@ def global_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     reduced on its own and the group norms are combined. Grads may mix dtypes (fp32, and bf16
     ones held by parallel/compact_gradients.py): grouped by dtype too, since the one-launch
     CUDA kernel takes one input dtype (mixed lists fall back to a norm per tensor).
+    `tensor_norms` gives each group's per-tensor norms: `fp64_norms`, or the ones
+    parallel/backward_grad_norms.py took during backward.
     """
     group_norms = []
-    for group in _grouped(grads, lambda grad: (_mesh(grad), grad.dtype)):
-        norm = torch.linalg.vector_norm(torch.stack(_fp64_norms(group)))
+    for group in norm_groups(grads):
+        norm = torch.linalg.vector_norm(torch.stack(tensor_norms(group)))
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return torch.linalg.vector_norm(torch.stack(group_norms)).float()
 

@@ -33,7 +33,9 @@ bucketing, no overlap scheduling) rather than failing the run.
 - `Tensor._version` (every torch since 0.4; checked on 2.11 and 2.13): the counter autograd
   bumps on each in-place write, documented in the autograd notes but underscored. The
   compute-dtype weight copies (parallel/compact_gradients.py) read it to find parameters
-  written since they were copied; see `version_counter`.
+  written since they were copied, and the norms taken during backward
+  (parallel/backward_grad_norms.py) to find gradients written after their norm; see
+  `version_counter`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from parallel.compact_gradients import CompactGradients
-from parallel.grad_clip import clip_grads_, global_norm
+from parallel.grad_clip import TensorNorms, clip_grads_, fp64_norms, global_norm
 from trainer.config import LRScheduler, Optimizer
 from trainer.overlapped_step import OverlappedStep
 from trainer.triton_adamw import TritonAdamW
@@ -62,6 +62,7 @@ def clip_and_step(
     max_norm: float,
     compact: CompactGradients | None = None,
     overlapped: OverlappedStep | None = None,
+    tensor_norms: TensorNorms = fp64_norms,
 ) -> torch.Tensor:
     """Clip the gradients to `max_norm` by their global norm, step, and return the norm before clipping.
 
@@ -85,9 +86,11 @@ def clip_and_step(
 
     With `overlapped` (trainer/overlapped_step.py) the step is launched unit by unit and
     finishes during the next forward; the clip factor is computed here, before any unit steps.
+    `tensor_norms` gives the gradients' per-tensor norms (those parallel/backward_grad_norms.py
+    took during backward, where it did).
     """
     loose = [p for p in parameters if p.grad is not None]
-    norm = global_norm([p.grad for p in loose] + (compact.gradients() if compact is not None else []))
+    norm = global_norm([p.grad for p in loose] + (compact.gradients() if compact is not None else []), tensor_norms)
     fold_clip = max_norm > 0 and (bool(optimizer.defaults.get("fused")) or isinstance(optimizer, TritonAdamW))
     if fold_clip:
         optimizer.grad_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reciprocal()

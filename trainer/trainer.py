@@ -22,9 +22,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.activation_offload import ActivationOffload
+from parallel.backward_grad_norms import BackwardGradNorms
 from parallel.compile import compile_forward_loss, cross_entropy_kernels
 from parallel.data_parallel import compact_gradients, describe as describe_data_parallel
-from parallel.fsdp import set_gradient_sync
+from parallel.fsdp import set_gradient_sync, unit_of
+from parallel.grad_clip import fp64_norms
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
 from trainer.checkpoint import CheckpointManager
@@ -98,6 +100,7 @@ class Trainer:
         if run.overlap_step:
             release = self.compact_gradients.release if self.compact_gradients is not None else None
             self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device, release)
+        self.backward_norms = self._backward_grad_norms() if run.overlap_step else None
         self.activation_offload = None
         if cfg.activation_checkpoint.offload_blocks:
             copies = self.compact_gradients.copies() if self.compact_gradients is not None else []
@@ -144,9 +147,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         self._refresh_weight_copies()
         for index, (inputs, labels) in enumerate(micro_batches):
+            last = index == accum - 1
             if accum > 1:
-                last = index == accum - 1
                 set_gradient_sync(self.model, reduce_scatter=last or not self.defer_reduce_scatter, all_reduce=last)
+            if last and self.backward_norms is not None:
+                self.backward_norms.arm()
             with self._loss_context():
                 with self._offload_scope():
                     loss = self.forward_loss(inputs, labels) / accum
@@ -154,11 +159,26 @@ class Trainer:
                 loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_and_step(self.optimizer, self.model.parameters(), self.cfg.training.max_norm,
-                                  self.compact_gradients, self.overlapped_step)
+                                  self.compact_gradients, self.overlapped_step,
+                                  self.backward_norms.norms if self.backward_norms is not None else fp64_norms)
+        if self.backward_norms is not None:
+            self.backward_norms.disarm()
         self.lr_scheduler.step()
         if self.overlapped_step is None:  # else each unit's next forward releases its gradients
             self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
+
+    def _backward_grad_norms(self) -> BackwardGradNorms:
+        """Gradient norms taken unit by unit during the last micro-batch's backward. Where the
+        step is overlapped (dp = 1: autograd, not a data-parallel wrapper, makes each gradient),
+        so that after backward only the step's first unit is left on the critical path."""
+        units = self.run.spec.fsdp_units(self.model)
+        owner = unit_of(units)
+        holders: list[list[torch.Tensor]] = [[] for _ in units]
+        for p in self.model.parameters():
+            if p.requires_grad:
+                holders[owner(p)].append(self.compact_gradients.holder_of(p) if self.compact_gradients else p)
+        return BackwardGradNorms(holders, fp64_norms, self.run.device)
 
     def _refresh_weight_copies(self) -> None:
         """Before a forward: cast again the weight copies of parameters written since their copy
