@@ -58,7 +58,7 @@ class BackwardGradNorms:
 
     def _accumulated_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(leaf: torch.Tensor) -> None:
-            if not self._armed or leaf.grad is None:
+            if not self._armed:
                 return
             ready = self._ready[index]
             if id(leaf) in ready:  # accumulated again: its version moved, so `norms` takes it again
