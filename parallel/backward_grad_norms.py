@@ -21,13 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parallel.fsdp import FSDPUnit, unit_of
 from parallel.grad_clip import TensorNorms, norm_groups
 from parallel.torch_internals import version_counter
+
+
+def unit_holders(
+    units: Sequence[FSDPUnit], parameters: Iterable[nn.Parameter], holder_of: Callable[[nn.Parameter], torch.Tensor]
+) -> list[list[torch.Tensor]]:
+    """Per unit, the leaves `holder_of` gives for its trainable `parameters`: the tensors whose
+    `.grad` autograd accumulates their gradients into (`BackwardGradNorms`'s `units`)."""
+    owner = unit_of(units)
+    holders: list[list[torch.Tensor]] = [[] for _ in units]
+    for p in parameters:
+        if p.requires_grad:
+            holders[owner(p)].append(holder_of(p))
+    return holders
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,14 +36,9 @@ class _Recorder:
 
 
 def _holders(model, compact):
-    from parallel.fsdp import unit_of
+    from parallel.backward_grad_norms import unit_holders
 
-    units = _units(model)
-    owner = unit_of(units)
-    holders = [[] for _ in units]
-    for p in model.parameters():
-        holders[owner(p)].append(compact.holder_of(p) if compact is not None else p)
-    return holders
+    return unit_holders(_units(model), model.parameters(), compact.holder_of if compact is not None else (lambda p: p))
 
 
 def _backward(model, recorder, generator, accum=1, norms=None):

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.activation_offload import ActivationOffload
-from parallel.backward_grad_norms import BackwardGradNorms
+from parallel.backward_grad_norms import BackwardGradNorms, unit_holders
 from parallel.compile import compile_forward_loss, cross_entropy_kernels
 from parallel.data_parallel import compact_gradients, describe as describe_data_parallel
-from parallel.fsdp import set_gradient_sync, unit_of
+from parallel.fsdp import set_gradient_sync
 from parallel.grad_clip import fp64_norms
 from parallel.loss import cross_entropy_loss
 from trainer.build import build_model
@@ -172,12 +172,8 @@ class Trainer:
         """Gradient norms taken unit by unit during the last micro-batch's backward. Where the
         step is overlapped (dp = 1: autograd, not a data-parallel wrapper, makes each gradient),
         so that after backward only the step's first unit is left on the critical path."""
-        units = self.run.spec.fsdp_units(self.model)
-        owner = unit_of(units)
-        holders: list[list[torch.Tensor]] = [[] for _ in units]
-        for p in self.model.parameters():
-            if p.requires_grad:
-                holders[owner(p)].append(self.compact_gradients.holder_of(p) if self.compact_gradients else p)
+        holder_of = self.compact_gradients.holder_of if self.compact_gradients is not None else (lambda p: p)
+        holders = unit_holders(self.run.spec.fsdp_units(self.model), self.model.parameters(), holder_of)
         return BackwardGradNorms(holders, fp64_norms, self.run.device)
 
     def _refresh_weight_copies(self) -> None:
