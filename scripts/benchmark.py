@@ -29,6 +29,8 @@ Each variant is one `torchrun train.py` launch; each torchtitan variant they are
 is one anchor `run.sh` launch, shared by every weft row that names it. The table
 holds medians over the steps after `--skip` (tokens/s per GPU, MFU), the maxima of max
 active / max reserved memory over the same steps, and weft's recompiles after warm-up.
+Where nvidia-smi is installed, it also holds each run's median SM clock and board power
+while the GPU was busy (scripts/gpu_clocks.py): at a power limit the clock moves tokens/s.
 `--profile` also traces step 10 of each run with torch.profiler and prints a kernel-time
 breakdown per variant (scripts/trace_summary.py). `--loss-curve` trains the 1B flavor
 twice with the same seed and data, on the current paths and on the pre-issue-10 ones
@@ -56,6 +58,7 @@ from dataclasses import dataclass, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_clocks import ClockSampler  # noqa: E402
 from trace_summary import format_breakdown, summarize as summarize_trace  # noqa: E402
 
 PROFILE_STEP = 10
@@ -162,7 +165,7 @@ def run_weft(variant: Variant, shared: list[str], nproc: int, out: str, profile:
     os.makedirs(shared_cache, exist_ok=True)
     os.symlink(shared_cache, os.path.join(dump, ".cache"))
     start = time.time()
-    with open(os.path.join(out, f"{variant.name}.log"), "w") as log:
+    with open(os.path.join(out, f"{variant.name}.log"), "w") as log, ClockSampler() as clocks:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=launch_env())
     records = []
     metrics_path = os.path.join(dump, "metrics.jsonl")
@@ -170,7 +173,7 @@ def run_weft(variant: Variant, shared: list[str], nproc: int, out: str, profile:
         with open(metrics_path) as f:
             records = [r for r in map(json.loads, f) if "tps" in r]
     return {"name": variant.name, "returncode": proc.returncode, "wall_s": time.time() - start,
-            "records": records, "dump": dump}
+            "records": records, "dump": dump, "clocks": clocks.result}
 
 
 def summarize(result: dict, skip: int) -> dict:
@@ -200,6 +203,7 @@ def summarize(result: dict, skip: int) -> dict:
         "unique_graphs": last.get("unique_graphs"),
         "compile_s": last.get("compile_time_s"),
         "wall_s": round(result["wall_s"], 1),
+        **result.get("clocks", {}),
     }
 
 
@@ -213,13 +217,14 @@ def run_anchor(variant: str, anchor_dir: str, wheels: str, preset: Preset, out: 
     """torchtitan's run of `variant` through the anchor's run.sh, parsed from its summary line."""
     env = {**launch_env(), "ANCHOR_FLAVOR": preset.anchor_flavor, "ANCHOR_PROFILE": "true" if profile else "false"}
     start = time.time()
-    proc = subprocess.run(["bash", os.path.join(anchor_dir, "run.sh"), os.path.abspath(wheels),
-                           os.path.join(os.path.abspath(out), "torchtitan"), str(preset.local_batch), variant],
-                          cwd=ROOT, capture_output=True, text=True, env=env)
+    with ClockSampler() as clocks:
+        proc = subprocess.run(["bash", os.path.join(anchor_dir, "run.sh"), os.path.abspath(wheels),
+                               os.path.join(os.path.abspath(out), "torchtitan"), str(preset.local_batch), variant],
+                              cwd=ROOT, capture_output=True, text=True, env=env)
     text = proc.stdout + proc.stderr
     match = _ANCHOR_LINE.search(text)
     result = {"variant": variant, "ok": match is not None, "wall_s": round(time.time() - start, 1),
-              "output": text.strip().splitlines()[-1] if text.strip() else "no output"}
+              "output": text.strip().splitlines()[-1] if text.strip() else "no output", **clocks.result}
     if match:
         result.update(tps=float(match["tps"].replace(",", "")), mfu_pct=float(match["mfu"]),
                       mem_reserved_gib=float(match["reserved"]),
@@ -231,11 +236,15 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _clock(run: dict) -> str:
+    return f"{_num(run.get('sm_mhz'), '.0f')} / {_num(run.get('power_w'), '.0f')}"
+
+
 def comparison_table(rows: list[tuple[dict, dict | None]]) -> str:
     """One row per weft variant, beside the torchtitan row it is compared with."""
     header = ["variant", "weft tok/s", "torchtitan tok/s", "ratio", "weft MFU", "tt MFU",
               "weft active / reserved GiB", "tt active / reserved GiB", "reserved diff GiB",
-              "weft recompiles after warm-up", "wall s (weft / tt)"]
+              "weft recompiles after warm-up", "weft SM MHz / W", "tt SM MHz / W", "wall s (weft / tt)"]
     lines = [header]
     for weft, anchor in rows:
         anchor = anchor or {}
@@ -249,7 +258,7 @@ def comparison_table(rows: list[tuple[dict, dict | None]]) -> str:
             _num(weft.get("mfu_pct"), ".1f"), _num(anchor.get("mfu_pct"), ".1f"),
             f"{_num(weft.get('mem_active_gib'), '.1f')} / {_num(weft.get('mem_reserved_gib'), '.1f')}",
             f"{_num(anchor.get('mem_active_gib'), '.1f')} / {_num(anchor.get('mem_reserved_gib'), '.1f')}",
-            _num(diff, "+.1f"), _num(weft.get("recompiles_after_warmup"), "d"),
+            _num(diff, "+.1f"), _num(weft.get("recompiles_after_warmup"), "d"), _clock(weft), _clock(anchor),
             f"{_num(weft.get('wall_s'), '.0f')} / {_num(anchor.get('wall_s'), '.0f')}",
         ])
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]

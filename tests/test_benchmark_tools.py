@@ -1,9 +1,12 @@
-"""scripts/trace_summary.py on real kernel names and on a CPU trace of a training step, and
-scripts/benchmark.py's launch and parsing of the torchtitan anchor."""
+"""scripts/trace_summary.py on real kernel names and on a CPU trace of a training step,
+scripts/benchmark.py's launch and parsing of the torchtitan anchor, and scripts/gpu_clocks.py's
+sampling of the GPU's clock and power."""
 
 import os
 import sys
+import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +14,7 @@ from tests.dist_utils import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from benchmark import _ANCHOR_LINE, PRESETS, comparison_table, free_form_variant, named_variant, run_anchor  # noqa: E402
+from gpu_clocks import ClockSampler, busy_medians  # noqa: E402
 from trace_summary import CATEGORIES, classify, format_breakdown, summarize  # noqa: E402
 
 # Kernel names as torch 2.11 on an H200 spells them (issue 10's profile) or close to it.
@@ -94,6 +98,10 @@ def test_anchor_summary_line():
               "wall_s": 90.0}
     row = comparison_table([(weft, anchor)]).splitlines()[-1]
     assert "1.067x" in row and "-2.6" in row and "22,000" in row
+    assert "- / -" in row  # no clock samples (no nvidia-smi) print as missing
+    row = comparison_table([({**weft, "sm_mhz": 1560.0, "power_w": 691.8}, {**anchor, "sm_mhz": 1620.0,
+                                                                            "power_w": 689.5})]).splitlines()[-1]
+    assert "1560 / 692" in row and "1620 / 690" in row
 
 
 def test_run_anchor_passes_shape_and_parses(tmp_path):
@@ -136,3 +144,39 @@ def test_free_form_variant_values_may_hold_commas():
     assert variant.overrides == ["--compile.enable", "true", "--activation_checkpoint.per_block", "op_all:16,op:12",
                                  "--training.local_batch_size", "-1", "--metrics.no-enable_tensorboard"]
     assert free_form_variant("plain:").overrides == []
+
+
+# nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits, as an
+# H200 printed it over a run: idle at start-up and compilation, busy in the steps.
+SMI_LINES = ["345, 78.32, 0", "1980, 119.55, 0", "1980, 129.31, 100", "1530, 691.64, 100",
+             "1590, 688.54, 100", "1470, 693.54, 97", "1980, 250.83, 21", "[N/A], [N/A], 100", "1560, 69"]
+
+
+def test_busy_medians_count_only_the_busy_samples():
+    assert busy_medians(SMI_LINES) == {"sm_mhz": 1560.0, "power_w": pytest.approx(690.09)}
+    assert busy_medians(SMI_LINES, min_utilization=98) == {"sm_mhz": 1590.0, "power_w": 688.54}
+    assert busy_medians(["345, 78.3, 0"]) == {}
+
+
+def test_clock_sampler_runs_nvidia_smi_while_the_block_runs(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH: the sampler passes the query and interval, reads what it
+    printed until the block ended, and stops it; without nvidia-smi the result is empty."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    'echo "$@" > "$(dirname "$0")/args"\n'
+                    + "".join(f"echo '{line}'\n" for line in SMI_LINES)
+                    + "exec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with ClockSampler(interval_ms=100) as sampler:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert sampler.result == busy_medians(SMI_LINES)
+    assert (tmp_path / "args").read_text().split() == [
+        "--query-gpu=clocks.sm,power.draw,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with ClockSampler() as sampler:
+        pass
+    assert sampler.result == {}
