@@ -146,8 +146,9 @@ def test_free_form_variant_values_may_hold_commas():
     assert free_form_variant("plain:").overrides == []
 
 
-# nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits, as an
-# H200 printed it over a run: idle at start-up and compilation, busy in the steps.
+# Lines of nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits,
+# with samples an H200 gave over a run (idle at start-up and compilation, busy in the steps), a
+# board that reports no values and a line cut off when the sampler stopped.
 SMI_LINES = ["345, 78.32, 0", "1980, 119.55, 0", "1980, 129.31, 100", "1530, 691.64, 100",
              "1590, 688.54, 100", "1470, 693.54, 97", "1980, 250.83, 21", "[N/A], [N/A], 100", "1560, 69"]
 
