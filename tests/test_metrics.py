@@ -55,9 +55,8 @@ def run(logger, clock, steps, tokens_per_step=1000, step_seconds=1.0, data_secon
         if logger.should_log(step):
             since = step - (records[-1]["step"] if records else 0)
             grad_norm = float("nan") if step == 4 else 0.5 * step
-            records.append(
-                logger.log(step, loss=10.0 / step, grad_norm=grad_norm, lr=1e-3, tokens=tokens_per_step * since)
-            )
+            window = logger.end_window(step, tokens=tokens_per_step * since)
+            records.append(logger.log(window, loss=10.0 / step, grad_norm=grad_norm, lr=1e-3))
     return records
 
 
@@ -80,21 +79,53 @@ def test_throughput_mfu_and_timing_math(tmp_path, clock):
     logger.close()
 
 
-def test_window_resets_after_each_log(tmp_path, clock):
+def test_window_runs_from_log_to_log_without_excluded_time(tmp_path, clock):
     logger = make_logger(tmp_path, total_steps=4, peak_flops=1e10)
+    clock.now += 100.0  # before the first step (start-up): not part of the first window
     logger.step_begin()
     clock.now += 1.0
     logger.step_begin()
     clock.now += 1.0
-    logger.log(2, loss=1.0, grad_norm=1.0, lr=1.0, tokens=2000)
-    clock.now += 30.0  # e.g. a checkpoint save between steps: not part of the next window
+    first = logger.log(logger.end_window(2, tokens=2000), loss=1.0, grad_norm=1.0, lr=1.0)
+    with logger.excluded():
+        clock.now += 30.0  # e.g. a checkpoint save between steps: not part of the next window
+    clock.now += 2.0  # host work between the log and the next step does count
     for _ in range(2):
         logger.step_begin()
-        clock.now += 4.0
-    record = logger.log(4, loss=1.0, grad_norm=1.0, lr=1.0, tokens=2000)
+        clock.now += 3.0
+    record = logger.log(logger.end_window(4, tokens=2000), loss=1.0, grad_norm=1.0, lr=1.0)
+    assert first["step_time_s"] == pytest.approx(1.0)
     assert record["step_time_s"] == pytest.approx(4.0)
     assert record["tps"] == pytest.approx(250.0)
     assert record["data_time_pct"] == 0.0
+    logger.close()
+
+
+def test_a_window_logged_a_step_late_keeps_its_own_steps_and_data_time(tmp_path, clock):
+    """The trainer closes a window at its last step and logs it once the device has run that
+    step, after the next step has begun: the next step's data time belongs to the next window,
+    and the time runs to the log, when the device finished the window's steps."""
+    logger = make_logger(tmp_path, log_freq=1, total_steps=3, peak_flops=1e10)
+    windows, records = [], []
+    for step in range(1, 4):
+        logger.step_begin()
+        clock.now += 0.1 * step  # data: 0.1, 0.2, 0.3 s
+        logger.data_loaded()
+        clock.now += 0.5  # the host launches the step, which the device runs later
+        if windows:
+            clock.now += 0.4  # waits for the previous step to finish on the device
+            records.append(logger.log(windows.pop(), loss=1.0, grad_norm=1.0, lr=1.0))
+        windows.append(logger.end_window(step, tokens=100))
+    clock.now += 1.0
+    records.append(logger.log(windows.pop(), loss=1.0, grad_norm=1.0, lr=1.0))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # step 1's window: its begin (t=0) to its log (t=0.1+0.5+0.2+0.5+0.4 = 1.7)
+    assert records[0]["step_time_s"] == pytest.approx(1.7)
+    assert records[0]["data_time_pct"] == pytest.approx(100 * 0.1 / 1.7)
+    assert records[1]["step_time_s"] == pytest.approx(0.3 + 0.5 + 0.4)
+    assert records[1]["data_time_pct"] == pytest.approx(100 * 0.2 / 1.2)
+    assert records[2]["step_time_s"] == pytest.approx(1.0)
+    assert records[2]["data_time_pct"] == pytest.approx(100 * 0.3 / 1.0)
     logger.close()
 
 
@@ -133,7 +164,7 @@ def test_extra_scalars_join_the_record(tmp_path, clock):
     logger = make_logger(tmp_path, total_steps=2, peak_flops=None, stream=stream)
     logger.step_begin()
     clock.now += 1.0
-    record = logger.log(2, loss=1.0, grad_norm=1.0, lr=1.0, tokens=10, extra={"val_loss": 3.25})
+    record = logger.log(logger.end_window(2, tokens=10), loss=1.0, grad_norm=1.0, lr=1.0, extra={"val_loss": 3.25})
     logger.close()
     assert record["val_loss"] == 3.25
     assert record["mfu"] is None  # CPU: no peak
@@ -162,7 +193,7 @@ def test_compile_health_fields_are_merged(tmp_path, clock):
     fn(torch.randn(2))
     fn(torch.randn(3))
     logger.step_begin()
-    record = logger.log(2, loss=1.0, grad_norm=1.0, lr=1.0, tokens=10)
+    record = logger.log(logger.end_window(2, tokens=10), loss=1.0, grad_norm=1.0, lr=1.0)
     logger.close()
     health.close()
     torch._dynamo.reset()

@@ -11,12 +11,14 @@ one (e.g. Weights & Biases) means writing one such class and appending it in
 
 from __future__ import annotations
 
+import contextlib
 import math
-import re
 import os
+import re
 import sys
 import time
-from typing import Any, Protocol, TextIO
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, TextIO
 
 import torch
 
@@ -201,12 +203,26 @@ class _JsonlSink:
         self.writer.close()
 
 
+@dataclass(frozen=True)
+class Window:
+    """The steps a record covers, closed by `MetricsLogger.end_window` at its last step."""
+
+    step: int
+    steps: int
+    tokens: int
+    data_seconds: float
+    compile: dict[str, Any]
+
+
 class MetricsLogger:
     """Times steps and writes one metrics record per logged step (rank 0 only).
 
-    Per step: `step_begin()`, `data_loaded()` once the batch is on the device, then on
-    logged steps (`should_log(step)`) `log(...)` with the dp-averaged loss and the tokens
-    this device processed since the previous log.
+    Per step: `step_begin()`, `data_loaded()` once the batch is on the device. At a logged
+    step (`should_log(step)`) `end_window(step, tokens)` closes what the host knows of the
+    window (its steps, tokens, data time, compile counters); `log(window, ...)` is called
+    once the step's values have been read from the device, and that read ends the window's
+    time. The trainer reads them a step late (trainer/step_readout.py), so that the device
+    never waits for the host's logging; a window's time runs from one read to the next.
     """
 
     def __init__(
@@ -247,12 +263,11 @@ class MetricsLogger:
                 self.sinks.append(_TensorBoardSink(tb_folder, start_step, config_text))
             if metrics_cfg.enable_jsonl:
                 self.sinks.append(_JsonlSink(os.path.join(dump_folder, "metrics.jsonl"), start_step))
-        self._last_log_time = time.perf_counter()
-        self._last_log_step = 0
-        self._window_start: float | None = None
+        self._window_start: float | None = None  # set by the first step_begin(), then by each log()
         self._window_steps = 0
         self._data_time = 0.0
-        self._step_start = self._last_log_time
+        self._excluded = 0.0
+        self._step_start = 0.0
 
     def step_begin(self) -> None:
         now = time.perf_counter()
@@ -264,31 +279,48 @@ class MetricsLogger:
     def data_loaded(self) -> None:
         self._data_time += time.perf_counter() - self._step_start
 
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent inside is left out of the window's time: validation, checkpoint saves."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - start
+
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == self.total_steps
 
+    def end_window(self, step: int, tokens: int) -> Window:
+        """Close the window at logged step `step`: `tokens` counts this device's tokens since
+        the previous window. The compile counters are read now, before any later step compiles."""
+        compile_fields = self.compile_health.snapshot(step) if self.compile_health is not None else {}
+        window = Window(step=step, steps=max(self._window_steps, 1), tokens=tokens,
+                        data_seconds=self._data_time, compile=compile_fields)
+        self._window_steps = 0
+        self._data_time = 0.0
+        return window
+
     def log(
         self,
-        step: int,
+        window: Window,
         *,
         loss: float,
         grad_norm: float,
         lr: float,
-        tokens: int,
         extra: dict[str, float] | None = None,
     ) -> dict[str, Any]:
-        """Build, write (rank 0) and return the record for `step`. `tokens` counts this
-        device's tokens since the previous log; the caller syncs the device beforehand
-        (reading `loss` as a float does)."""
+        """Build, write (rank 0) and return the record of `window`. Call it right after the
+        window's last step has finished on the device (reading its loss waits for that): the
+        window's time ends now."""
         now = time.perf_counter()
-        start = self._window_start if self._window_start is not None else self._last_log_time
-        elapsed = max(now - start, 1e-9)
-        steps = self._window_steps or max(step - self._last_log_step, 1)
-        tps = tokens / elapsed
+        start = self._window_start if self._window_start is not None else now
+        elapsed = max(now - start - self._excluded, 1e-9)
+        tps = window.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
-        step_time = elapsed / steps
+        step_time = elapsed / window.steps
         record: dict[str, Any] = {
-            "step": step,
+            "step": window.step,
             "loss": float(loss),
             "grad_norm": float(grad_norm),
             "lr": float(lr),
@@ -296,20 +328,16 @@ class MetricsLogger:
             "tflops": tflops,
             "mfu": 100.0 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "step_time_s": step_time,
-            "data_time_pct": 100.0 * self._data_time / elapsed,
+            "data_time_pct": 100.0 * window.data_seconds / elapsed,
             **memory_stats(self.device),
-            "eta_s": step_time * max(self.total_steps - step, 0),
+            "eta_s": step_time * max(self.total_steps - window.step, 0),
+            **window.compile,
         }
-        if self.compile_health is not None:
-            record.update(self.compile_health.snapshot(step))
         extra = {k: float(v) for k, v in (extra or {}).items()}
         record.update(extra)
-        self._emit(step, record, tuple(extra))
-        self._last_log_time = time.perf_counter()
-        self._last_log_step = step
-        self._window_start = None
-        self._window_steps = 0
-        self._data_time = 0.0
+        self._emit(window.step, record, tuple(extra))
+        self._window_start = now
+        self._excluded = 0.0
         return record
 
     def log_scalars(self, step: int, values: dict[str, float]) -> None:

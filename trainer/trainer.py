@@ -37,12 +37,13 @@ from trainer.data import build_dataloader
 from trainer.errors import NonFiniteError
 from trainer.export import export_hf
 from trainer.initial_load import load_hf_weights
-from trainer.metrics import MetricsLogger
+from trainer.metrics import MetricsLogger, Window
 from trainer.optim import build_lr_scheduler, build_optimizer, clip_and_step, optimizer_implementation
 from trainer.overlapped_step import OverlappedStep
 from trainer.preemption import PreemptionHandler
 from trainer.profiling import maybe_memory_snapshot, maybe_profile
 from trainer.run import ResolvedRun
+from trainer.step_readout import StepReadout
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +51,29 @@ logger = logging.getLogger(__name__)
 class _NonFiniteWatch:
     """Remembers, on the device, the first step whose loss or gradient norm was not finite.
 
-    Updating it is two small device ops per step and never syncs; `first_bad_step()` reads it
-    (a sync), which the trainer does only on logged steps and before a save.
+    Updating it is two small device ops per step and never syncs. `first_bad` is staged with
+    each logged step's values (read a step late); `first_bad_step()` reads it at once (a sync),
+    which the trainer does before a save.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._first = torch.zeros((), dtype=torch.int64, device=device)
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        bad = ~torch.isfinite(loss + grad_norm) & (self._first == 0)
-        self._first = torch.where(bad, torch.full_like(self._first, step), self._first)
+        bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad == 0)
+        self.first_bad = torch.where(bad, torch.full_like(self.first_bad, step), self.first_bad)
 
     def first_bad_step(self) -> int:
-        return int(self._first.item())
+        return int(self.first_bad.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoggedStep:
+    """What the host knew of a logged step when its device values were staged."""
+
+    window: Window
+    lr: float
+    extra: dict[str, float]
 
 
 class Trainer:
@@ -135,6 +146,7 @@ class Trainer:
         signals = (signal.SIGTERM, signal.SIGUSR1) if cfg.checkpoint.save_on_sigusr1 else (signal.SIGTERM,)
         self.preemption = PreemptionHandler(signals, check_freq=cfg.checkpoint.preemption_check_freq)
         self.nonfinite = _NonFiniteWatch(run.device)
+        self.readout: StepReadout[_LoggedStep] = StepReadout(run.device)
         self.defer_reduce_scatter = cfg.parallelism.gradient_sync == "step"
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -203,13 +215,34 @@ class Trainer:
         dist.all_reduce(value, group=self.meshes.dp.get_group())
         return value.item() / self.dims.dp
 
-    def _raise_if_nonfinite(self) -> None:
-        bad = self.nonfinite.first_bad_step()
+    def _raise_if_nonfinite(self, bad: int | None = None) -> None:
+        """Stop at the first non-finite step: `bad` as staged with a logged step, else read now."""
+        bad = self.nonfinite.first_bad_step() if bad is None else bad
         if bad:
             raise NonFiniteError(
                 f"non-finite loss or gradient norm at step {bad}; stopping without saving that state "
                 "(the newest checkpoint on disk is from before it). Lower optimizer.lr or check the data."
             )
+
+    def _stage_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: int) -> None:
+        """Queue this logged step's values for the host (no sync): the loss summed over the
+        data-parallel ranks, the gradient norm and the first non-finite step so far."""
+        loss = loss.detach().clone()
+        if self.dims.dp > 1:
+            dist.all_reduce(loss, group=self.meshes.dp.get_group())
+        logged = _LoggedStep(self.metrics.end_window(self.step, tokens), lr,
+                             {**self.dataloader.shares(), **self._offload_metrics()})
+        self.readout.stage([loss, grad_norm, self.nonfinite.first_bad], logged)
+
+    def _log_staged(self) -> None:
+        """Read and log the staged step's values, if any: waits for that step to finish."""
+        taken = self.readout.take()
+        if taken is None:
+            return
+        (loss_sum, grad_norm, first_bad), logged = taken
+        self._raise_if_nonfinite(int(first_bad))
+        self.metrics.log(logged.window, loss=loss_sum / self.dims.dp, grad_norm=grad_norm, lr=logged.lr,
+                         extra=logged.extra)
 
     def validate(self) -> dict[str, float]:
         """Held-out loss over `validation.steps` global batches.
@@ -284,22 +317,27 @@ class Trainer:
                 tokens_since_log += tokens_per_step // self.dims.tp
                 if self.compile_health is not None:
                     self.compile_health.check(self.step)  # ends the warm-up itself
+                self._log_staged()  # the last logged step's: this step is queued behind it by now
                 last = self.step == cfg.training.steps
                 if self.metrics.should_log(self.step) or last:
-                    self._raise_if_nonfinite()
-                    self.metrics.log(self.step, loss=self._dp_mean(loss), grad_norm=grad_norm.item(), lr=lr,
-                                     tokens=tokens_since_log, extra={**self.dataloader.shares(), **self._offload_metrics()})
+                    self._stage_log(loss, grad_norm, lr, tokens_since_log)
                     tokens_since_log = 0
-                if self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last):
-                    self.metrics.log_scalars(self.step, self.validate())
+                validate = self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last)
                 stop = self.preemption.should_stop(self.step) and not last
-                if stop or self.checkpointer.wants_save(self.step, last=last):
+                save = stop or self.checkpointer.wants_save(self.step, last=last)
+                if validate or save or last:
+                    self._log_staged()  # records stay in step order; a save needs the step finished anyway
+                if validate:
+                    with self.metrics.excluded():
+                        self.metrics.log_scalars(self.step, self.validate())
+                if save:
                     self._raise_if_nonfinite()
                     self._finish_step()
-                if stop and cfg.checkpoint.enable:
-                    self.checkpointer.save(self.step)  # full state, even with model_only_final
-                else:
-                    self.checkpointer.maybe_save(self.step, last=last)
+                with self.metrics.excluded():
+                    if stop and cfg.checkpoint.enable:
+                        self.checkpointer.save(self.step)  # full state, even with model_only_final
+                    else:
+                        self.checkpointer.maybe_save(self.step, last=last)
                 profiler.step()
                 snapshot.step()
                 if stop:
