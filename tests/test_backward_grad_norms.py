@@ -171,3 +171,57 @@ def test_on_a_gpu_side_stream_norms_are_bitwise_global_norm():
         assert torch.equal(global_norm(grads, norms.norms), global_norm(grads))
         norms.disarm()
         held.release(held.parameters)
+
+
+def _train_with_backward_norms(rank, world_size, dump, corpus, backward_norms):
+    import dataclasses
+
+    from tests.test_training_resume import RESUME
+    from trainer.config import load_config
+    from trainer.run import resolve_run
+    from trainer.trainer import Trainer
+
+    cfg = load_config(RESUME + ["--training.dataset_path", corpus, "--training.steps", "3",
+                                "--optimizer.overlap_step", "off", "--job.dump_folder", dump])
+    run = resolve_run(cfg, world_size)
+    assert not run.backward_grad_norms  # a CPU run: auto leaves them after backward
+    trainer = Trainer(dataclasses.replace(run, backward_grad_norms=backward_norms))
+    assert (trainer.backward_norms is not None) is backward_norms
+    trainer.train()
+    trainer.close()
+
+
+def test_trainer_with_the_step_after_backward_gets_the_same_norms_from_backward(tmp_path, corpus):
+    """On a GPU at dp = 1 the norms are taken during backward also when the step runs after
+    it (trainer/run.py `_backward_grad_norms`); on a CPU that path is forced here: the losses
+    and gradient norms of 3 steps equal, bit for bit, those of norms taken after backward."""
+    import json
+
+    from tests.dist_utils import run_distributed
+
+    records = {}
+    for backward_norms in (False, True):
+        dump = str(tmp_path / str(backward_norms))
+        run_distributed(_train_with_backward_norms, 1, dump, corpus, backward_norms)
+        with open(f"{dump}/metrics.jsonl") as f:
+            records[backward_norms] = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f)]
+    assert [step for step, _, _ in records[True]] == [1, 2, 3]
+    assert records[True] == records[False]
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    ([], 1, False),  # a CPU run
+    (["--comm.mode", "fake_backend", "--parallelism.tensor_parallel_degree", "4", "--optimizer.overlap_step", "off"],
+     4, True),  # a GPU plan at dp = 1, step after backward
+    (["--comm.mode", "fake_backend", "--parallelism.tensor_parallel_degree", "2"], 4, False),  # dp = 2
+    (["--comm.mode", "fake_backend", "--parallelism.tensor_parallel_degree", "4", "--compile.enable",
+      "--compile.strategy", "model"], 4, False),  # one graph hands over every gradient at its end
+    (["--optimizer.overlap_step", "on"], 1, True),  # the overlapped step needs them
+])
+def test_backward_norms_resolve_where_autograd_makes_each_gradient_on_a_gpu(tmp_path, overrides, world, expected):
+    from trainer.config import load_config
+    from trainer.run import resolve_run
+
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path),
+                       *overrides])
+    assert resolve_run(cfg, world_size=world).backward_grad_norms is expected

@@ -58,6 +58,7 @@ class ResolvedRun:
     compact_gradients: bool  # training.compact_gradients resolved: one GPU, bf16 compute, one micro-batch per step
     weight_copies: bool  # training.compute_weight_copies resolved: with compact gradients, forward reads kept bf16 weights
     overlap_step: bool  # optimizer.overlap_step resolved: each unit steps during the next forward (trainer/overlapped_step.py)
+    backward_grad_norms: bool  # each unit's gradient norms taken during backward (parallel/backward_grad_norms.py)
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     data_parallel_engine: str  # "fully_shard" | "graph" ("auto" resolved)
@@ -110,6 +111,7 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
             "(or 'auto' with compile.strategy = 'blocks')."
         )
     compact = _compact_gradients(cfg, dims, DTYPES[param], global_batch)
+    overlap_step = _overlap_step(cfg, dims, compact, _optimizer_implementation(cfg))
     return ResolvedRun(
         cfg=cfg,
         spec=spec,
@@ -122,7 +124,8 @@ def resolve_run(cfg: JobConfig, world_size: int) -> ResolvedRun:
         fused_head_loss=head_loss == "fused",
         compact_gradients=compact,
         weight_copies=_weight_copies(cfg, compact),
-        overlap_step=_overlap_step(cfg, dims, compact, _optimizer_implementation(cfg)),
+        overlap_step=overlap_step,
+        backward_grad_norms=_backward_grad_norms(cfg, dims, overlap_step),
         param_dtype=DTYPES[param],
         reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
         data_parallel_engine=engine,
@@ -202,6 +205,17 @@ def _overlap_step(cfg: JobConfig, dims: ParallelDims, compact_gradients: bool, o
             "set optimizer.overlap_step = 'auto' or 'off'."
         )
     return not reasons and (setting == "on" or target_device_type(cfg) == "cuda")
+
+
+def _backward_grad_norms(cfg: JobConfig, dims: ParallelDims, overlap_step: bool) -> bool:
+    """Whether the clip's gradient norms are taken unit by unit during backward. The overlapped
+    step needs them there. A step after backward gains too, where autograd makes each gradient
+    (dp = 1, no data-parallel wrapper) and a GPU's side stream runs the norms beside backward's
+    matmuls; not where the whole model is one compiled graph, which hands over every gradient
+    at its end. The norms are the same bits either way."""
+    c = cfg.compile
+    whole_model = c.enable and c.strategy == "model" and "model" in c.components
+    return overlap_step or (dims.dp == 1 and not whole_model and target_device_type(cfg) == "cuda")
 
 
 def _model_spec(cfg: JobConfig) -> ModelSpec:

@@ -111,7 +111,7 @@ class Trainer:
         if run.overlap_step:
             release = self.compact_gradients.release if self.compact_gradients is not None else None
             self.overlapped_step = OverlappedStep(self.optimizer, run.spec.fsdp_units(self.model), run.device, release)
-        self.backward_norms = self._backward_grad_norms() if run.overlap_step else None
+        self.backward_norms = self._backward_grad_norms() if run.backward_grad_norms else None
         self.activation_offload = None
         if cfg.activation_checkpoint.offload_blocks:
             copies = self.compact_gradients.copies() if self.compact_gradients is not None else []
@@ -181,9 +181,9 @@ class Trainer:
         return loss_sum, grad_norm
 
     def _backward_grad_norms(self) -> BackwardGradNorms:
-        """Gradient norms taken unit by unit during the last micro-batch's backward. Where the
-        step is overlapped (dp = 1: autograd, not a data-parallel wrapper, makes each gradient),
-        so that after backward only the step's first unit is left on the critical path."""
+        """Gradient norms taken unit by unit during the last micro-batch's backward, where autograd
+        (not a data-parallel wrapper) makes each gradient: so that after backward only the step
+        is left on the critical path (with the overlapped step, only its first unit)."""
         holder_of = self.compact_gradients.holder_of if self.compact_gradients is not None else (lambda p: p)
         holders = unit_holders(self.run.spec.fsdp_units(self.model), self.model.parameters(), holder_of)
         return BackwardGradNorms(holders, fp64_norms, self.run.device)
