@@ -41,3 +41,47 @@ def test_gpu_values_are_read_after_the_queued_work():
     readout.stage([x.sum(), x.mean()], "late")
     (total, mean), context = readout.take()
     assert total == pytest.approx(4096 * 4096) and mean == pytest.approx(1.0) and context == "late"
+
+
+def test_deferred_only_where_the_device_runs_behind_the_host():
+    assert not StepReadout(torch.device("cpu")).deferred
+    if torch.cuda.is_available():
+        assert StepReadout(torch.device("cuda")).deferred
+
+
+def _record_when_steps_are_logged(rank, world_size, dump, corpus, out):
+    import json
+
+    from tests.test_training_resume import RESUME
+    from trainer.config import load_config
+    from trainer.metrics import MetricsLogger
+    from trainer.run import resolve_run
+    from trainer.trainer import Trainer
+
+    cfg = load_config(RESUME + ["--training.dataset_path", corpus, "--training.steps", "4", "--metrics.log_freq", "1",
+                                "--checkpoint.interval", "2", "--job.dump_folder", dump])
+    trainer = Trainer(resolve_run(cfg, world_size))
+    when = []  # (the step a record is for, the trainer's step when it is logged)
+    log = MetricsLogger.log
+
+    def recording_log(self, window, **kwargs):
+        when.append((window.step, trainer.step))
+        return log(self, window, **kwargs)
+
+    MetricsLogger.log = recording_log  # this rank's process only
+    trainer.train()
+    trainer.close()
+    with open(out, "w") as f:
+        json.dump(when, f)
+
+
+def test_on_a_cpu_the_trainer_logs_each_step_in_its_own_iteration(tmp_path, corpus):
+    """A CPU runs each op as it is called: a record read a step late would time the next
+    step's work into its window. So each logged step is logged before the next step begins."""
+    import json
+
+    from tests.dist_utils import run_distributed
+
+    out = tmp_path / "when.json"
+    run_distributed(_record_when_steps_are_logged, 1, str(tmp_path / "run"), corpus, str(out))
+    assert json.loads(out.read_text()) == [[1, 1], [2, 2], [3, 3], [4, 4]]

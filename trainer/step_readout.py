@@ -8,7 +8,9 @@ gradient norm) and the gap after them cost about 3.5 ms a step at `log_freq = 1`
 copy into pinned memory and an event, both queued behind the step. It then launches the next
 step and only after that takes the values, by when the GPU is busy with that next step.
 
-On a CPU the copy is done at once and taking the values never waits.
+On a CPU the ops run as the host calls them, so there is nothing to hide: `deferred` is
+False there and the trainer takes the values at once, which also keeps a record's time window
+on the steps it counts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class StepReadout(Generic[Context]):
         self._ready = torch.cuda.Event() if self._cuda else None
         self._context: Context | None = None
         self._staged = False
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the device runs behind the host, so that taking the values later gains time."""
+        return self._cuda
 
     def stage(self, values: Sequence[torch.Tensor], context: Context) -> None:
         """Queue one copy of `values` (device scalars) to the host; never waits for the device."""

@@ -325,8 +325,8 @@ class Trainer:
                 validate = self.val_loader is not None and (self.step % cfg.validation.freq == 0 or last)
                 stop = self.preemption.should_stop(self.step) and not last
                 save = stop or self.checkpointer.wants_save(self.step, last=last)
-                if validate or save or last:
-                    self._log_staged()  # records stay in step order; a save needs the step finished anyway
+                if validate or save or last or not self.readout.deferred:
+                    self._log_staged()  # at once on a CPU; before these, so records keep step order
                 if validate:
                     with self.metrics.excluded():
                         self.metrics.log_scalars(self.step, self.validate())
