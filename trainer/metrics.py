@@ -221,8 +221,8 @@ class MetricsLogger:
     step (`should_log(step)`) `end_window(step, tokens)` closes what the host knows of the
     window (its steps, tokens, data time, compile counters); `log(window, ...)` is called
     once the step's values have been read from the device, and that read ends the window's
-    time. The trainer reads them a step late (trainer/step_readout.py), so that the device
-    never waits for the host's logging; a window's time runs from one read to the next.
+    time. On a GPU the trainer reads them a step late (trainer/step_readout.py), so that the
+    device never waits for the host's logging; a window's time runs from one read to the next.
     """
 
     def __init__(
