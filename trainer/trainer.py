@@ -210,10 +210,16 @@ class Trainer:
         return {"offload_gib": self.activation_offload.bytes_offloaded / 1024**3,
                 "offload_late_fetches": self.activation_offload.late_fetches}
 
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the data-parallel ranks, on the device (a copy only where dp > 1)."""
+        value = value.detach()
+        if self.dims.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.meshes.dp.get_group())
+        return value
+
     def _dp_mean(self, value: torch.Tensor) -> float:
-        value = value.detach().clone()
-        dist.all_reduce(value, group=self.meshes.dp.get_group())
-        return value.item() / self.dims.dp
+        return self._dp_sum(value).item() / self.dims.dp
 
     def _raise_if_nonfinite(self, bad: int | None = None) -> None:
         """Stop at the first non-finite step: `bad` as staged with a logged step, else read now."""
@@ -227,12 +233,9 @@ class Trainer:
     def _stage_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, tokens: int) -> None:
         """Queue this logged step's values for the host (no sync): the loss summed over the
         data-parallel ranks, the gradient norm and the first non-finite step so far."""
-        loss = loss.detach().clone()
-        if self.dims.dp > 1:
-            dist.all_reduce(loss, group=self.meshes.dp.get_group())
         logged = _LoggedStep(self.metrics.end_window(self.step, tokens), lr,
                              {**self.dataloader.shares(), **self._offload_metrics()})
-        self.readout.stage([loss, grad_norm, self.nonfinite.first_bad], logged)
+        self.readout.stage([self._dp_sum(loss), grad_norm, self.nonfinite.first_bad], logged)
 
     def _log_staged(self) -> None:
         """Read and log the staged step's values, if any: waits for that step to finish."""
