@@ -3,8 +3,8 @@ that show each step once after a resume, what the console shows of saves and the
 global batch that follows the checkpoint.
 
 The one-line checks run `trainer.main.main` in process with WEFT_CHECK_CONFIG_ONLY=1, which
-stops after everything that needs no process group (config, model, mesh, folders, the lock)
-has been checked: the same path `run_train.sh` takes before launching.
+stops after everything that needs no process group (config, model, mesh, folders, local data
+paths, the lock) has been checked: the same path `run_train.sh` takes before launching.
 """
 
 import json
@@ -63,6 +63,10 @@ def _check_only(monkeypatch, capsys, tmp_path, *overrides):
     (["--metrics.save_tb_folder", "a/../../tb"], "metrics.save_tb_folder 'a/../../tb' leaves job.dump_folder"),
     (["--profiling.save_traces_folder", ".."], "profiling.save_traces_folder '..' leaves job.dump_folder"),
     (["--profiling.save_memory_snapshot_folder", "../m"], "save_memory_snapshot_folder '../m' leaves"),
+    (["--training.dataset_path", "/nonexistent/weft/*.jsonl"], "training.dataset_path '/nonexistent/weft/*.jsonl' matches no"),
+    (["--training.dataset_mixture", "stdlib:0.5,/nonexistent/code:0.5"], "training.dataset_mixture '/nonexistent/code' matches no"),
+    (["--training.dataset_mixture", "stdlib"], "training.dataset_mixture item 'stdlib' must be 'SOURCE:WEIGHT'"),
+    (["--validation.enable", "true", "--validation.dataset_path", "/nonexistent/val"], "validation.dataset_path '/nonexistent/val' matches no"),
 ])
 def test_mistake_is_one_line_with_exit_2(monkeypatch, capsys, tmp_path, overrides, needle):
     code, out, err = _check_only(monkeypatch, capsys, tmp_path, *overrides)

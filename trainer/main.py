@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from trainer.comm import init_process_group
 from trainer.config import help_text, load_config_with_notes
+from trainer.data.build import check_data_sources
 from trainer.dry_run import dry_run
 from trainer.dump_lock import DumpFolderLock
 from trainer.errors import TrainingStopped, WeftError
@@ -144,6 +145,7 @@ def main(argv: list[str]) -> int:
         if cfg.comm.mode == "fake_backend":
             return dry_run(cfg)  # one process, no dump-folder lock: it writes nothing
         run = resolve_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_data_sources(cfg.training, cfg.validation.dataset_path if cfg.validation.enable else None)
         if _rank() == 0:
             lock = DumpFolderLock(run.paths.dump)
             lock.acquire()

@@ -199,6 +199,35 @@ def _streamed(key: str, source: str, tokenizer: Tokenizer, t: Training, split: s
     return StreamWindows(source, docs, tokenizer, t.seq_len)
 
 
+def _entries(t: Training, dataset_path: str | None) -> tuple[list[tuple[str, str, float]], bool]:
+    """The loader's sources as (config key, source, weight), and whether validation is held out
+    of them: `dataset_path` (validation's own data) first, then a mixture, a path, a dataset name."""
+    if dataset_path:
+        return [("validation.dataset_path", dataset_path, 1.0)], False
+    if t.dataset_mixture:
+        return [(MIXTURE_KEY, s, w) for s, w in parse_mixture(t.dataset_mixture)], True
+    if t.dataset_path:
+        return [("training.dataset_path", t.dataset_path, 1.0)], True
+    return [("training.dataset", t.dataset, 1.0)], True
+
+
+def check_data_sources(training: Training, validation_path: str | None = None) -> None:
+    """Raise ConfigError if a local source of the training data (or of `validation_path`) matches
+    no files of one supported format, or the mixture is malformed.
+
+    Why here: the loader finds this out only inside every rank, after the process group is up,
+    where the launcher then adds its own failure report per rank. This is the same glob the
+    loader makes, without tokenizing or opening anything. Hub names are left to the loader:
+    checking them would need the network.
+    """
+    entries = _entries(training, None)[0]
+    if validation_path:
+        entries += _entries(training, validation_path)[0]
+    for key, source, _ in entries:
+        if source != STDLIB and not is_hub_name(source):
+            resolve_files(source, key)
+
+
 def build_dataloader(
     training: Training,
     tokenizer: Tokenizer,
@@ -221,14 +250,7 @@ def build_dataloader(
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     t = training
-    if dataset_path:
-        entries, held_out = [("validation.dataset_path", dataset_path, 1.0)], False
-    elif t.dataset_mixture:
-        entries, held_out = [(MIXTURE_KEY, s, w) for s, w in parse_mixture(t.dataset_mixture)], True
-    elif t.dataset_path:
-        entries, held_out = [("training.dataset_path", t.dataset_path, 1.0)], True
-    else:
-        entries, held_out = [("training.dataset", t.dataset, 1.0)], True
+    entries, held_out = _entries(t, dataset_path)
     streaming = t.dataset_streaming or any(is_hub_name(source) for _, source, _ in entries)
     cache_dir = os.path.join(dump_folder, ".cache", "data")
     sources: list[WindowSource] = []
