@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -74,6 +75,16 @@ def test_mistake_is_one_line_with_exit_2(monkeypatch, capsys, tmp_path, override
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], err
     assert not os.path.exists(tmp_path / "dump" / "config.toml")
+
+
+def test_streaming_token_files_is_one_line_before_launch(monkeypatch, capsys, tmp_path):
+    np.save(tmp_path / "tokens.npy", np.arange(100, dtype=np.uint32))
+    code, _, err = _check_only(monkeypatch, capsys, tmp_path, "--training.dataset_path", str(tmp_path / "tokens.npy"),
+                               "--training.dataset_streaming", "true")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "holds token files, which are memory-mapped, not streamed" in lines[0], err
+    code, _, err = _check_only(monkeypatch, capsys, tmp_path, "--training.dataset_path", str(tmp_path / "tokens.npy"))
+    assert code == 0, err
 
 
 def test_unwritable_dump_folder(monkeypatch, capsys, tmp_path):

@@ -170,6 +170,15 @@ def _keep(example: dict, validation: bool) -> bool:
     return is_held_out(example.get("text")) == validation
 
 
+def _streamable_files(source: str, key: str) -> list[str]:
+    """`resolve_files`, refusing token files: those are memory-mapped, never streamed."""
+    files = resolve_files(source, key)
+    if is_pretokenized(files):
+        raise ConfigError(f"{key} '{source}' holds token files, which are memory-mapped, not streamed. "
+                          "Set training.dataset_streaming = false.")
+    return files
+
+
 def _streamed(key: str, source: str, tokenizer: Tokenizer, t: Training, split: str, held_out: bool,
               dp_rank: int, dp_degree: int) -> StreamWindows:
     # Imported here: `datasets` (with pandas and pyarrow) takes over a second to import, and only
@@ -186,10 +195,7 @@ def _streamed(key: str, source: str, tokenizer: Tokenizer, t: Training, split: s
                 f"({type(e).__name__}). Use a local path, or check the name and the network."
             ) from e
     else:
-        files = resolve_files(source, key)
-        if is_pretokenized(files):
-            raise ConfigError(f"{key} '{source}' holds token files, which are memory-mapped, not streamed. "
-                              "Set training.dataset_streaming = false.")
+        files = _streamable_files(source, key)
         pieces = plan_pieces(files, lenient=source == STDLIB)
         docs = datasets.IterableDataset.from_generator(generate_documents, gen_kwargs={"pieces": pieces})
     if held_out:
@@ -211,21 +217,27 @@ def _entries(t: Training, dataset_path: str | None) -> tuple[list[tuple[str, str
     return [("training.dataset", t.dataset, 1.0)], True
 
 
+def _is_streamed(t: Training, entries: list[tuple[str, str, float]]) -> bool:
+    """Streamed when asked for, and always when a source is a hub dataset name."""
+    return t.dataset_streaming or any(is_hub_name(source) for _, source, _ in entries)
+
+
 def check_data_sources(training: Training, validation_path: str | None = None) -> None:
     """Raise ConfigError if a local source of the training data (or of `validation_path`) matches
-    no files of one supported format, or the mixture is malformed.
+    no files of one supported format, a streamed one holds token files, or the mixture is
+    malformed.
 
     Why here: the loader finds this out only inside every rank, after the process group is up,
     where the launcher then adds its own failure report per rank. This is the same glob the
     loader makes, without tokenizing or opening anything. Hub names are left to the loader:
     checking them would need the network.
     """
-    entries = _entries(training, None)[0]
-    if validation_path:
-        entries += _entries(training, validation_path)[0]
-    for key, source, _ in entries:
-        if source != STDLIB and not is_hub_name(source):
-            resolve_files(source, key)
+    for dataset_path in [None, validation_path] if validation_path else [None]:
+        entries = _entries(training, dataset_path)[0]
+        find_files = _streamable_files if _is_streamed(training, entries) else resolve_files
+        for key, source, _ in entries:
+            if source != STDLIB and not is_hub_name(source):
+                find_files(source, key)
 
 
 def build_dataloader(
@@ -251,7 +263,7 @@ def build_dataloader(
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     t = training
     entries, held_out = _entries(t, dataset_path)
-    streaming = t.dataset_streaming or any(is_hub_name(source) for _, source, _ in entries)
+    streaming = _is_streamed(t, entries)
     cache_dir = os.path.join(dump_folder, ".cache", "data")
     sources: list[WindowSource] = []
     for i, (key, source, _) in enumerate(entries):
